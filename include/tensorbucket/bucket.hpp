@@ -1,0 +1,146 @@
+// Building a bucket (producer side) and viewing a verified one (consumer side).
+//
+// BucketBuilder lays named tensors out in one payload at kPayloadAlignment offsets and
+// checks each entry as it is added, so a builder never holds an invalid manifest. It does not
+// own the tensors' bytes: the pointers given to add() must stay valid until packing is done.
+//
+// BucketView is the only way to read a received bucket. open() checks both halves (frame and
+// payload) and every rule of docs/format.md before it returns; on any failure it throws and no
+// view exists. Views are zero-copy: they point into the payload, which must outlive them.
+//
+// Thread safety: a BucketBuilder is not synchronized (one thread at a time). A BucketView is
+// immutable after open(); its const members are safe to call from many threads.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "tensorbucket/dtype.hpp"
+#include "tensorbucket/error.hpp"
+#include "tensorbucket/header.hpp"
+#include "tensorbucket/manifest.hpp"
+
+namespace tensorbucket {
+
+// Heap bytes aligned to kPayloadAlignment, left uninitialized (packing overwrites them all).
+class AlignedBuffer {
+ public:
+  AlignedBuffer() = default;
+  explicit AlignedBuffer(std::size_t size_bytes);
+
+  std::span<std::byte> span() noexcept { return {data_.get(), size_}; }
+  std::span<const std::byte> span() const noexcept { return {data_.get(), size_}; }
+  std::size_t size() const noexcept { return size_; }
+
+ private:
+  struct Free {
+    void operator()(std::byte* p) const noexcept;
+  };
+  std::unique_ptr<std::byte[], Free> data_;
+  std::size_t size_ = 0;
+};
+
+// An encoded bucket: the frame (header + manifest) and the payload it describes.
+struct PackedBucket {
+  std::vector<std::byte> frame;
+  AlignedBuffer payload;
+};
+
+class BucketBuilder {
+ public:
+  BucketBuilder& version(std::uint64_t version);
+  // InvalidArgument unless index < count.
+  BucketBuilder& bucket(std::uint32_t index, std::uint32_t count);
+
+  // Adds an entry whose bytes are copied from `data` when packing. Throws BadName,
+  // DuplicateName, UnsupportedDtype, BadShape, or Unmaterialized when `data` is null but the
+  // entry has bytes (a meta or undefined tensor). Nothing is added when it throws.
+  BucketBuilder& add(std::string name, DType dtype, std::vector<std::int64_t> shape,
+                     const void* data);
+
+  // Adds an entry the caller writes in place, through entry_spans(). Same checks as add(),
+  // except that it has no data yet.
+  BucketBuilder& declare(std::string name, DType dtype, std::vector<std::int64_t> shape);
+
+  // Declares that the named entries must arrive together. Members may be added before or
+  // after; manifest() throws IncompleteGroup while one is missing.
+  BucketBuilder& group(std::string name, std::vector<std::string> members);
+
+  // Total payload size: the end of the last entry, rounded up to kPayloadAlignment.
+  std::uint64_t payload_bytes() const noexcept { return payload_bytes_; }
+
+  // The manifest so far. Throws IncompleteGroup when a declared group lacks a member.
+  const Manifest& manifest() const;
+
+  // Copies every add()ed entry into `payload` and zeroes the padding between entries;
+  // declare()d entries are left for the caller. InvalidArgument if `payload` is too small.
+  void pack_into(std::span<std::byte> payload) const;
+
+  // Writable spans into `payload`, one per entry in manifest order, for in-place producers.
+  std::vector<std::span<std::byte>> entry_spans(std::span<std::byte> payload) const;
+
+  // Packs into a new buffer and encodes the frame. InvalidArgument if an entry was declare()d.
+  PackedBucket pack(const EncodeOptions& options = {}) const;
+
+ private:
+  ManifestEntry& append(std::string name, DType dtype, std::vector<std::int64_t> shape);
+
+  Manifest manifest_;
+  std::vector<const std::byte*> sources_;  // per entry; null for declare()d entries
+  std::unordered_map<std::string, std::size_t> entry_index_;
+  std::unordered_map<std::string, std::string> group_of_member_;
+  std::uint64_t payload_bytes_ = 0;
+};
+
+// One entry of a verified bucket; points into the payload (no copy).
+struct TensorView {
+  std::string_view name;
+  DType dtype;
+  std::span<const std::int64_t> shape;
+  std::span<const std::byte> bytes;
+  std::string_view group;  // empty when the entry belongs to no group
+};
+
+struct VerifyOptions {
+  // Rule 5: when set, the bucket must match these names, dtypes and shapes exactly.
+  const Manifest* expected = nullptr;
+  // Hash the payload when the header carries a payload checksum.
+  bool check_payload_checksum = true;
+};
+
+class BucketView {
+ public:
+  // Verifies `frame` and `payload` (docs/format.md, rules 1-5) and returns views into
+  // `payload`. MissingManifest / MissingPayload when a half is absent; otherwise the code of
+  // the first rule broken. `payload` may be longer than the header's payload_bytes.
+  static BucketView open(std::span<const std::byte> frame, std::span<const std::byte> payload,
+                         const VerifyOptions& options = {});
+
+  // Move-only: the name index points into this view's own manifest.
+  BucketView(BucketView&&) noexcept = default;
+  BucketView& operator=(BucketView&&) noexcept = default;
+  BucketView(const BucketView&) = delete;
+  BucketView& operator=(const BucketView&) = delete;
+
+  const Manifest& manifest() const noexcept { return manifest_; }
+  std::size_t size() const noexcept { return manifest_.entries.size(); }
+  TensorView operator[](std::size_t index) const;
+  std::optional<TensorView> find(std::string_view name) const;
+
+ private:
+  BucketView() = default;
+
+  Manifest manifest_;
+  std::span<const std::byte> payload_;
+  // Keys view the names inside manifest_.entries, whose heap storage moves with the view.
+  std::unordered_map<std::string_view, std::size_t> index_;
+};
+
+}  // namespace tensorbucket

@@ -1,0 +1,50 @@
+// Errors: one enum of failure classes, one exception type that carries it.
+//
+// Every rejection in tensorbucket throws `tensorbucket::Error`; its `code()` says which
+// rule failed and its message names the entry and the offending values. Expected outcomes
+// of waiting (a timeout, no data yet) are return values, never errors.
+//
+// Thread safety: immutable value types; safe to share.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+namespace tensorbucket {
+
+enum class ErrorCode : std::uint8_t {
+  InvalidArgument = 1,  // a caller passed something unusable (too-small buffer, bad bucket index)
+  MissingManifest,      // the manifest half of a bucket is absent
+  MissingPayload,       // the payload half is absent or shorter than the header says
+  HeaderCorrupt,        // bad magic, unknown layout version or flags, impossible sizes
+  ManifestCorrupt,      // the manifest bytes do not decode, or exceed a decoding bound
+  ChecksumMismatch,     // a manifest or payload hash does not match the header
+  UnsupportedDtype,     // a dtype outside the table in dtype.hpp
+  BadName,              // an empty or over-long entry or group name
+  BadShape,             // negative dim, too many dims, or numel x itemsize != byte_length / overflow
+  OutOfBounds,          // an entry's byte range ends past the payload
+  Overlap,              // two entries' byte ranges overlap
+  Misaligned,           // an entry's offset is not a multiple of kPayloadAlignment
+  DuplicateName,        // two entries (or two groups) share a name
+  IncompleteGroup,      // a declared group lacks a member, or an entry names a group it is not in
+  Unmaterialized,       // an entry has a size but no data (a meta / undefined tensor)
+  ManifestMismatch,     // the bucket differs from the consumer's expected manifest
+};
+
+// The enumerator's name, e.g. "ChecksumMismatch".
+std::string_view to_string(ErrorCode code) noexcept;
+
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorCode code, const std::string& message)
+      : std::runtime_error(message), code_(code) {}
+
+  ErrorCode code() const noexcept { return code_; }
+
+ private:
+  ErrorCode code_;
+};
+
+}  // namespace tensorbucket

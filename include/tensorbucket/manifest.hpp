@@ -1,0 +1,89 @@
+// The manifest: what a bucket's payload holds, entry by entry.
+//
+// A manifest is plain data. `encode_manifest` writes it with cereal's portable binary archive;
+// `decode_manifest` reads hostile bytes safely: every count and length is checked against the
+// limits below (and against the bytes that remain) before anything is allocated, and decoding
+// never executes anything. `verify_manifest` applies the well-formedness rules of
+// docs/format.md; a manifest that passes can be turned into views without further checks.
+//
+// Thread safety: value types; const functions are safe to call concurrently.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tensorbucket/dtype.hpp"
+
+namespace tensorbucket {
+
+// Bumped when the encoded layout changes; decoders reject other versions.
+inline constexpr std::uint32_t kManifestFormatVersion = 1;
+
+// Every entry starts at a multiple of this many payload bytes (what CUDA kernels and
+// vectorized loads want, and what keeps two entries off one cache line).
+inline constexpr std::uint64_t kPayloadAlignment = 256;
+
+// Decoding bounds. They are far above real models (a 70B model has ~1k tensors) and small
+// enough that a hostile manifest cannot make a consumer allocate much.
+inline constexpr std::uint64_t kMaxEntries = 1u << 20;
+inline constexpr std::uint64_t kMaxGroups = kMaxEntries;
+inline constexpr std::uint64_t kMaxNameBytes = 1024;
+inline constexpr std::uint64_t kMaxRank = 64;
+inline constexpr std::uint64_t kMaxManifestBytes = 256ull << 20;
+inline constexpr std::uint64_t kMaxPayloadBytes = 1ull << 48;
+
+struct ManifestEntry {
+  std::string name;  // unique within the bucket, 1..kMaxNameBytes bytes of any encoding
+  DType dtype = DType::U8;
+  std::vector<std::int64_t> shape;  // row-major dims, each >= 0; empty for a scalar
+  std::uint64_t byte_offset = 0;    // from the payload start; multiple of kPayloadAlignment
+  std::uint64_t byte_length = 0;    // numel x itemsize
+  std::string group;                // name of the group this entry belongs to, or empty
+
+  friend bool operator==(const ManifestEntry&, const ManifestEntry&) = default;
+};
+
+// Entries that must arrive together: a quantized weight and its scales, a ragged token
+// pool and its valid lengths. A consumer rejects a bucket that lacks any member.
+struct ManifestGroup {
+  std::string name;
+  std::vector<std::string> members;  // entry names; each entry is in at most one group
+
+  friend bool operator==(const ManifestGroup&, const ManifestGroup&) = default;
+};
+
+struct Manifest {
+  std::uint64_t version = 0;        // producer's weight version, e.g. the training step
+  std::uint32_t bucket_index = 0;   // this bucket's place in one update: 0..bucket_count-1
+  std::uint32_t bucket_count = 1;   // how many buckets make the update complete
+  std::vector<ManifestEntry> entries;
+  std::vector<ManifestGroup> groups;
+
+  friend bool operator==(const Manifest&, const Manifest&) = default;
+};
+
+// Portable binary bytes of `manifest`. Does not verify it.
+std::vector<std::byte> encode_manifest(const Manifest& manifest);
+
+// Throws Error(ManifestCorrupt) for bytes that do not decode exactly (trailing bytes included)
+// or that exceed a bound. Does not apply the verification rules.
+Manifest decode_manifest(std::span<const std::byte> bytes);
+
+// Throws the Error of the first rule `manifest` breaks for a payload of `payload_bytes`:
+// BadName, DuplicateName, UnsupportedDtype, BadShape, Misaligned, OutOfBounds, Overlap,
+// IncompleteGroup, ManifestCorrupt (bucket index, limits).
+void verify_manifest(const Manifest& manifest, std::uint64_t payload_bytes);
+
+// Rule 5: throws one Error(ManifestMismatch) that lists every name of `expected` missing from
+// `actual`, every unexpected name, and every shape and dtype mismatch. Offsets are not compared.
+void check_expected(const Manifest& actual, const Manifest& expected);
+
+// numel x itemsize of a shape, or nullopt on a negative dim or on overflow past kMaxPayloadBytes.
+std::optional<std::uint64_t> checked_byte_length(DType dtype,
+                                                 std::span<const std::int64_t> shape) noexcept;
+
+}  // namespace tensorbucket

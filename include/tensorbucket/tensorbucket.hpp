@@ -1,0 +1,9 @@
+// tensorbucket: move many named tensors between processes as one verified, zero-copy bucket.
+// Include this header for the whole public API.
+#pragma once
+
+#include "tensorbucket/bucket.hpp"
+#include "tensorbucket/dtype.hpp"
+#include "tensorbucket/error.hpp"
+#include "tensorbucket/header.hpp"
+#include "tensorbucket/manifest.hpp"

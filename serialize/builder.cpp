@@ -1,0 +1,191 @@
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "tensorbucket/bucket.hpp"
+#include "text.hpp"
+
+namespace tensorbucket {
+
+using text::Dims;
+using text::fail;
+using text::Quoted;
+
+namespace {
+
+std::uint64_t align_up(std::uint64_t offset) {
+  return (offset + kPayloadAlignment - 1) / kPayloadAlignment * kPayloadAlignment;
+}
+
+}  // namespace
+
+AlignedBuffer::AlignedBuffer(std::size_t size_bytes)
+    : data_(static_cast<std::byte*>(
+          ::operator new[](size_bytes, std::align_val_t{kPayloadAlignment}))),
+      size_(size_bytes) {}
+
+void AlignedBuffer::Free::operator()(std::byte* p) const noexcept {
+  ::operator delete[](p, std::align_val_t{kPayloadAlignment});
+}
+
+BucketBuilder& BucketBuilder::version(std::uint64_t version) {
+  manifest_.version = version;
+  return *this;
+}
+
+BucketBuilder& BucketBuilder::bucket(std::uint32_t index, std::uint32_t count) {
+  if (index >= count) {
+    fail(ErrorCode::InvalidArgument, "bucket index ", index, " is not below bucket count ",
+         count);
+  }
+  manifest_.bucket_index = index;
+  manifest_.bucket_count = count;
+  return *this;
+}
+
+ManifestEntry& BucketBuilder::append(std::string name, DType dtype,
+                                     std::vector<std::int64_t> shape) {
+  if (name.empty()) fail(ErrorCode::BadName, "entry ", manifest_.entries.size(), " has an empty name");
+  if (name.size() > kMaxNameBytes) {
+    fail(ErrorCode::BadName, "entry name ", Quoted{name.substr(0, 64)}, "... is ", name.size(),
+         " bytes long; the limit is ", kMaxNameBytes);
+  }
+  if (entry_index_.contains(name)) {
+    fail(ErrorCode::DuplicateName, "entry name ", Quoted{name}, " was already added");
+  }
+  if (!is_known(dtype)) fail(ErrorCode::UnsupportedDtype, "entry ", Quoted{name}, " has unknown ", dtype);
+  if (shape.size() > kMaxRank) {
+    fail(ErrorCode::BadShape, "entry ", Quoted{name}, " has ", shape.size(),
+         " dims; the limit is ", kMaxRank);
+  }
+  auto byte_length = checked_byte_length(dtype, shape);
+  if (!byte_length) {
+    fail(ErrorCode::BadShape, "entry ", Quoted{name}, " has shape ", Dims{shape},
+         " with a negative dim or a size past ", kMaxPayloadBytes, " bytes");
+  }
+  if (manifest_.entries.size() >= kMaxEntries) {
+    fail(ErrorCode::InvalidArgument, "bucket already holds ", kMaxEntries, " entries");
+  }
+  auto byte_offset = align_up(payload_bytes_);
+  auto end = align_up(byte_offset + *byte_length);
+  if (end > kMaxPayloadBytes) {
+    fail(ErrorCode::BadShape, "entry ", Quoted{name}, " would end the payload at byte ", end,
+         ", past the limit of ", kMaxPayloadBytes);
+  }
+
+  auto group = group_of_member_.find(name);
+  ManifestEntry entry{std::move(name), dtype, std::move(shape), byte_offset, *byte_length,
+                      group == group_of_member_.end() ? std::string{} : group->second};
+  entry_index_.emplace(entry.name, manifest_.entries.size());
+  payload_bytes_ = end;
+  return manifest_.entries.emplace_back(std::move(entry));
+}
+
+BucketBuilder& BucketBuilder::add(std::string name, DType dtype, std::vector<std::int64_t> shape,
+                                  const void* data) {
+  if (data == nullptr) {
+    auto byte_length = checked_byte_length(dtype, shape).value_or(1);
+    if (byte_length != 0) {
+      fail(ErrorCode::Unmaterialized, "entry ", Quoted{name}, " of ", dtype, ' ', Dims{shape},
+           " has no data (an unmaterialized tensor?)");
+    }
+  }
+  append(std::move(name), dtype, std::move(shape));
+  sources_.push_back(static_cast<const std::byte*>(data));
+  return *this;
+}
+
+BucketBuilder& BucketBuilder::declare(std::string name, DType dtype,
+                                      std::vector<std::int64_t> shape) {
+  append(std::move(name), dtype, std::move(shape));
+  sources_.push_back(nullptr);
+  return *this;
+}
+
+BucketBuilder& BucketBuilder::group(std::string name, std::vector<std::string> members) {
+  if (name.empty()) fail(ErrorCode::BadName, "group ", manifest_.groups.size(), " has an empty name");
+  if (name.size() > kMaxNameBytes) {
+    fail(ErrorCode::BadName, "group name ", Quoted{name.substr(0, 64)}, "... is ", name.size(),
+         " bytes long; the limit is ", kMaxNameBytes);
+  }
+  for (const auto& group : manifest_.groups) {
+    if (group.name == name) fail(ErrorCode::DuplicateName, "group ", Quoted{name}, " was already declared");
+  }
+  for (std::size_t i = 0; i < members.size(); ++i) {
+    if (auto taken = group_of_member_.find(members[i]); taken != group_of_member_.end()) {
+      fail(ErrorCode::InvalidArgument, "entry ", Quoted{members[i]}, " is already in group ",
+           Quoted{taken->second});
+    }
+    for (std::size_t j = 0; j < i; ++j) {
+      if (members[j] == members[i]) {
+        fail(ErrorCode::DuplicateName, "group ", Quoted{name}, " lists ", Quoted{members[i]}, " twice");
+      }
+    }
+  }
+  for (const auto& member : members) {
+    group_of_member_.emplace(member, name);
+    if (auto entry = entry_index_.find(member); entry != entry_index_.end()) {
+      manifest_.entries[entry->second].group = name;
+    }
+  }
+  manifest_.groups.push_back({std::move(name), std::move(members)});
+  return *this;
+}
+
+const Manifest& BucketBuilder::manifest() const {
+  for (const auto& group : manifest_.groups) {
+    for (const auto& member : group.members) {
+      if (!entry_index_.contains(member)) {
+        fail(ErrorCode::IncompleteGroup, "group ", Quoted{group.name}, " is missing member ",
+             Quoted{member});
+      }
+    }
+  }
+  return manifest_;
+}
+
+void BucketBuilder::pack_into(std::span<std::byte> payload) const {
+  if (payload.size() < payload_bytes_) {
+    fail(ErrorCode::InvalidArgument, "payload buffer has ", payload.size(), " bytes; the bucket needs ",
+         payload_bytes_);
+  }
+  std::uint64_t written = 0;  // everything before this is packed or zeroed
+  for (std::size_t i = 0; i < manifest_.entries.size(); ++i) {
+    const auto& entry = manifest_.entries[i];
+    std::memset(payload.data() + written, 0, entry.byte_offset - written);
+    if (sources_[i] != nullptr) {
+      std::memcpy(payload.data() + entry.byte_offset, sources_[i], entry.byte_length);
+    }
+    written = entry.byte_offset + entry.byte_length;
+  }
+  std::memset(payload.data() + written, 0, payload_bytes_ - written);
+}
+
+std::vector<std::span<std::byte>> BucketBuilder::entry_spans(std::span<std::byte> payload) const {
+  if (payload.size() < payload_bytes_) {
+    fail(ErrorCode::InvalidArgument, "payload buffer has ", payload.size(), " bytes; the bucket needs ",
+         payload_bytes_);
+  }
+  std::vector<std::span<std::byte>> spans;
+  spans.reserve(manifest_.entries.size());
+  for (const auto& entry : manifest_.entries) {
+    spans.push_back(payload.subspan(entry.byte_offset, entry.byte_length));
+  }
+  return spans;
+}
+
+PackedBucket BucketBuilder::pack(const EncodeOptions& options) const {
+  const auto& checked = manifest();
+  for (std::size_t i = 0; i < sources_.size(); ++i) {
+    if (sources_[i] == nullptr && checked.entries[i].byte_length != 0) {
+      fail(ErrorCode::InvalidArgument, "entry ", Quoted{checked.entries[i].name},
+           " was declared for in-place writing; use entry_spans() and encode_frame()");
+    }
+  }
+  PackedBucket packed{{}, AlignedBuffer(payload_bytes_)};
+  pack_into(packed.payload.span());
+  packed.frame = encode_frame(checked, packed.payload.span(), options);
+  return packed;
+}
+
+}  // namespace tensorbucket

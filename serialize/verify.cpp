@@ -1,0 +1,213 @@
+// The well-formedness rules of docs/format.md ("Verification", rules 2, 3 and 5). Each check
+// runs before anything that relies on it: sizes are proven overflow-free before they are
+// compared, names are indexed before groups refer to them.
+#include "verify.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <sstream>
+#include <unordered_set>
+
+#include "tensorbucket/error.hpp"
+#include "text.hpp"
+
+namespace tensorbucket {
+
+using text::Dims;
+using text::fail;
+using text::Quoted;
+using text::operator<<;
+
+std::optional<std::uint64_t> checked_byte_length(DType dtype,
+                                                 std::span<const std::int64_t> shape) noexcept {
+  std::uint64_t total = itemsize(dtype);
+  for (auto dim : shape) {
+    if (dim < 0) return std::nullopt;
+    if (__builtin_mul_overflow(total, static_cast<std::uint64_t>(dim), &total)) return std::nullopt;
+  }
+  // A zero dim makes any other dim harmless, but a dim past the limit is still refused so
+  // that numel() of an empty tensor cannot overflow either.
+  for (auto dim : shape) {
+    if (static_cast<std::uint64_t>(dim) > kMaxPayloadBytes) return std::nullopt;
+  }
+  if (total > kMaxPayloadBytes) return std::nullopt;
+  return total;
+}
+
+namespace {
+
+void check_name(std::string_view name, std::size_t index, const char* what) {
+  if (name.empty()) fail(ErrorCode::BadName, what, ' ', index, " has an empty name");
+  if (name.size() > kMaxNameBytes) {
+    fail(ErrorCode::BadName, what, ' ', Quoted{name.substr(0, 64)}, "... is ", name.size(),
+         " bytes long; the limit is ", kMaxNameBytes);
+  }
+}
+
+void check_entry(const ManifestEntry& entry, std::uint64_t payload_bytes) {
+  if (!is_known(entry.dtype)) {
+    fail(ErrorCode::UnsupportedDtype, "entry ", Quoted{entry.name}, " has unknown ", entry.dtype);
+  }
+  if (entry.shape.size() > kMaxRank) {
+    fail(ErrorCode::BadShape, "entry ", Quoted{entry.name}, " has ", entry.shape.size(),
+         " dims; the limit is ", kMaxRank);
+  }
+  auto expected_length = checked_byte_length(entry.dtype, entry.shape);
+  if (!expected_length) {
+    fail(ErrorCode::BadShape, "entry ", Quoted{entry.name}, " has shape ", Dims{entry.shape},
+         " with a negative dim or a size past ", kMaxPayloadBytes, " bytes");
+  }
+  if (*expected_length != entry.byte_length) {
+    fail(ErrorCode::BadShape, "entry ", Quoted{entry.name}, " of ", entry.dtype, ' ',
+         Dims{entry.shape}, " needs ", *expected_length, " bytes but declares ",
+         entry.byte_length);
+  }
+  if (entry.byte_offset % kPayloadAlignment != 0) {
+    fail(ErrorCode::Misaligned, "entry ", Quoted{entry.name}, " starts at byte ",
+         entry.byte_offset, ", not a multiple of ", kPayloadAlignment);
+  }
+  // byte_length <= kMaxPayloadBytes was proven above, so only the offset can overflow.
+  if (entry.byte_offset > payload_bytes || entry.byte_length > payload_bytes - entry.byte_offset) {
+    fail(ErrorCode::OutOfBounds, "entry ", Quoted{entry.name}, " spans bytes [",
+         entry.byte_offset, ", ", entry.byte_offset + entry.byte_length,
+         ") but the payload has ", payload_bytes, " bytes");
+  }
+}
+
+void check_no_overlap(const Manifest& manifest) {
+  // Empty entries occupy no bytes and cannot overlap anything.
+  std::vector<const ManifestEntry*> by_offset;
+  by_offset.reserve(manifest.entries.size());
+  for (const auto& entry : manifest.entries) {
+    if (entry.byte_length != 0) by_offset.push_back(&entry);
+  }
+  // Builders emit entries in offset order; sort only when a producer did not.
+  auto earlier = [](const ManifestEntry* a, const ManifestEntry* b) {
+    return a->byte_offset < b->byte_offset;
+  };
+  if (!std::is_sorted(by_offset.begin(), by_offset.end(), earlier)) {
+    std::sort(by_offset.begin(), by_offset.end(), earlier);
+  }
+  for (std::size_t i = 1; i < by_offset.size(); ++i) {
+    const auto& previous = *by_offset[i - 1];
+    const auto& current = *by_offset[i];
+    if (previous.byte_offset + previous.byte_length > current.byte_offset) {
+      fail(ErrorCode::Overlap, "entry ", Quoted{current.name}, " at bytes [",
+           current.byte_offset, ", ", current.byte_offset + current.byte_length,
+           ") overlaps entry ", Quoted{previous.name}, " at bytes [", previous.byte_offset,
+           ", ", previous.byte_offset + previous.byte_length, ')');
+    }
+  }
+}
+
+void check_groups(const Manifest& manifest, const detail::NameIndex& index) {
+  if (manifest.groups.size() > kMaxGroups) {
+    fail(ErrorCode::ManifestCorrupt, "manifest has ", manifest.groups.size(),
+         " groups; the limit is ", kMaxGroups);
+  }
+  // Each entry must be claimed by exactly the group its `group` field names.
+  std::vector<const ManifestGroup*> claimed_by(manifest.entries.size(), nullptr);
+  std::unordered_set<std::string_view> group_names;
+  for (std::size_t g = 0; g < manifest.groups.size(); ++g) {
+    const auto& group = manifest.groups[g];
+    check_name(group.name, g, "group");
+    if (!group_names.insert(group.name).second) {
+      fail(ErrorCode::DuplicateName, "group ", Quoted{group.name}, " is declared twice");
+    }
+    for (const auto& member : group.members) {
+      auto found = index.find(member);
+      if (found == index.end()) {
+        fail(ErrorCode::IncompleteGroup, "group ", Quoted{group.name}, " is missing member ",
+             Quoted{member});
+      }
+      const auto& entry = manifest.entries[found->second];
+      if (claimed_by[found->second] != nullptr || entry.group != group.name) {
+        fail(ErrorCode::IncompleteGroup, "group ", Quoted{group.name}, " lists entry ",
+             Quoted{member}, " which declares group ", Quoted{entry.group});
+      }
+      claimed_by[found->second] = &group;
+    }
+  }
+  for (std::size_t i = 0; i < manifest.entries.size(); ++i) {
+    const auto& entry = manifest.entries[i];
+    if (!entry.group.empty() && claimed_by[i] == nullptr) {
+      fail(ErrorCode::IncompleteGroup, "entry ", Quoted{entry.name}, " declares group ",
+           Quoted{entry.group}, " which does not list it");
+    }
+  }
+}
+
+}  // namespace
+
+void detail::verify_manifest(const Manifest& manifest, std::uint64_t payload_bytes,
+                             NameIndex& index) {
+  if (manifest.entries.size() > kMaxEntries) {
+    fail(ErrorCode::ManifestCorrupt, "manifest has ", manifest.entries.size(),
+         " entries; the limit is ", kMaxEntries);
+  }
+  if (manifest.bucket_count == 0 || manifest.bucket_index >= manifest.bucket_count) {
+    fail(ErrorCode::ManifestCorrupt, "bucket index ", manifest.bucket_index,
+         " is not below bucket count ", manifest.bucket_count);
+  }
+  index.clear();
+  index.reserve(manifest.entries.size());
+  for (std::size_t i = 0; i < manifest.entries.size(); ++i) {
+    const auto& entry = manifest.entries[i];
+    check_name(entry.name, i, "entry");
+    if (!index.emplace(entry.name, i).second) {
+      fail(ErrorCode::DuplicateName, "entry name ", Quoted{entry.name}, " appears twice");
+    }
+    check_entry(entry, payload_bytes);
+  }
+  check_no_overlap(manifest);
+  check_groups(manifest, index);
+}
+
+void verify_manifest(const Manifest& manifest, std::uint64_t payload_bytes) {
+  detail::NameIndex index;
+  detail::verify_manifest(manifest, payload_bytes, index);
+}
+
+void check_expected(const Manifest& actual, const Manifest& expected) {
+  std::unordered_map<std::string_view, const ManifestEntry*> wanted;
+  wanted.reserve(expected.entries.size());
+  for (const auto& entry : expected.entries) wanted.emplace(entry.name, &entry);
+
+  // One line per class of problem, each listing every name, like a strict load_state_dict.
+  std::ostringstream missing, unexpected, mismatched;
+  std::unordered_set<std::string_view> seen;
+  seen.reserve(actual.entries.size());
+  for (const auto& entry : actual.entries) {
+    seen.insert(entry.name);
+    auto found = wanted.find(entry.name);
+    if (found == wanted.end()) {
+      unexpected << (unexpected.tellp() > 0 ? ", " : "") << Quoted{entry.name};
+      continue;
+    }
+    const auto& want = *found->second;
+    if (want.dtype != entry.dtype) {
+      mismatched << "; " << Quoted{entry.name} << " has dtype " << entry.dtype << ", expected "
+                 << want.dtype;
+    }
+    if (want.shape != entry.shape) {
+      mismatched << "; " << Quoted{entry.name} << " has shape " << Dims{entry.shape}
+                 << ", expected " << Dims{want.shape};
+    }
+  }
+  for (const auto& entry : expected.entries) {
+    if (!seen.contains(entry.name)) {
+      missing << (missing.tellp() > 0 ? ", " : "") << Quoted{entry.name};
+    }
+  }
+  if (missing.tellp() == 0 && unexpected.tellp() == 0 && mismatched.tellp() == 0) return;
+
+  std::ostringstream message;
+  message << "bucket does not match the expected manifest";
+  if (missing.tellp() > 0) message << "; missing " << missing.str();
+  if (unexpected.tellp() > 0) message << "; unexpected " << unexpected.str();
+  message << mismatched.str();
+  throw Error(ErrorCode::ManifestMismatch, message.str());
+}
+
+}  // namespace tensorbucket

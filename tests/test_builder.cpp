@@ -1,0 +1,186 @@
+// BucketBuilder: layout, packing, the in-place path, and what it refuses.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <numeric>
+
+#include "support.hpp"
+
+namespace tensorbucket {
+namespace {
+
+using test::expect_error;
+
+TEST(Builder, LaysEntriesOutAtAlignedOffsets) {
+  std::array<float, 3> a{1, 2, 3};
+  std::array<std::uint16_t, 300> b{};
+  BucketBuilder builder;
+  builder.add("a", DType::F32, {3}, a.data()).add("b", DType::BF16, {10, 30}, b.data());
+  const auto& m = builder.manifest();
+  ASSERT_EQ(m.entries.size(), 2u);
+  EXPECT_EQ(m.entries[0].byte_offset, 0u);
+  EXPECT_EQ(m.entries[0].byte_length, 12u);
+  EXPECT_EQ(m.entries[1].byte_offset, 256u);
+  EXPECT_EQ(m.entries[1].byte_length, 600u);
+  EXPECT_EQ(builder.payload_bytes(), 1024u);  // 256 + 600 rounded up
+}
+
+TEST(Builder, PacksBytesAndZeroesPadding) {
+  std::array<std::uint8_t, 5> a{1, 2, 3, 4, 5};
+  std::array<std::uint8_t, 2> b{9, 8};
+  BucketBuilder builder;
+  builder.add("a", DType::U8, {5}, a.data()).add("b", DType::U8, {2}, b.data());
+  std::vector<std::byte> payload(builder.payload_bytes(), std::byte{0xAA});
+  builder.pack_into(payload);
+  EXPECT_EQ(std::memcmp(payload.data(), a.data(), 5), 0);
+  EXPECT_EQ(std::memcmp(payload.data() + 256, b.data(), 2), 0);
+  EXPECT_TRUE(std::all_of(payload.begin() + 5, payload.begin() + 256,
+                          [](std::byte x) { return x == std::byte{0}; }));
+  EXPECT_TRUE(std::all_of(payload.begin() + 258, payload.end(),
+                          [](std::byte x) { return x == std::byte{0}; }));
+}
+
+TEST(Builder, RefusesTooSmallPayloadBuffer) {
+  std::array<float, 100> a{};
+  BucketBuilder builder;
+  builder.add("a", DType::F32, {100}, a.data());
+  std::vector<std::byte> payload(399);
+  expect_error(ErrorCode::InvalidArgument, [&] { builder.pack_into(payload); });
+}
+
+TEST(Builder, HandsOutWritableSpansForInPlaceProducers) {
+  BucketBuilder builder;
+  builder.declare("x", DType::I32, {4}).declare("y", DType::F64, {2, 2});
+  AlignedBuffer payload(builder.payload_bytes());
+  auto spans = builder.entry_spans(payload.span());
+  ASSERT_EQ(spans.size(), 2u);
+  EXPECT_EQ(spans[0].size(), 16u);
+  EXPECT_EQ(spans[1].data(), payload.span().data() + 256);
+  std::array<std::int32_t, 4> x{7, 8, 9, 10};
+  std::array<double, 4> y{0.5, 1.5, 2.5, 3.5};
+  std::memcpy(spans[0].data(), x.data(), 16);
+  std::memcpy(spans[1].data(), y.data(), 32);
+
+  auto frame = encode_frame(builder.manifest(), payload.span());
+  auto view = BucketView::open(frame, payload.span());
+  EXPECT_EQ(std::memcmp(view.find("y")->bytes.data(), y.data(), 32), 0);
+  EXPECT_EQ(std::memcmp(view.find("x")->bytes.data(), x.data(), 16), 0);
+}
+
+TEST(Builder, PackRefusesDeclaredEntries) {
+  BucketBuilder builder;
+  builder.declare("x", DType::I32, {4});
+  expect_error(ErrorCode::InvalidArgument, [&] { builder.pack(); });
+}
+
+TEST(Builder, PackedBucketOpensAsVerifiedViews) {
+  std::vector<std::uint16_t> w(64 * 32);
+  std::iota(w.begin(), w.end(), 0);
+  std::vector<float> s(64, 0.25f);
+  BucketBuilder builder;
+  builder.version(42).bucket(2, 5);
+  builder.add("w", DType::I16, {64, 32}, w.data()).add("s", DType::F32, {64}, s.data());
+  builder.group("quant", {"w", "s"});
+  auto packed = builder.pack({.payload_checksum = true});
+  auto view = BucketView::open(packed.frame, packed.payload.span());
+  EXPECT_EQ(view.manifest().version, 42u);
+  EXPECT_EQ(view.manifest().bucket_index, 2u);
+  EXPECT_EQ(view.manifest().bucket_count, 5u);
+  EXPECT_EQ(view.find("s")->group, "quant");
+  EXPECT_EQ(std::memcmp(view.find("w")->bytes.data(), w.data(), w.size() * 2), 0);
+}
+
+TEST(Builder, RefusesDuplicateName) {
+  float x = 0;
+  BucketBuilder builder;
+  builder.add("x", DType::F32, {}, &x);
+  auto message = expect_error(ErrorCode::DuplicateName, [&] { builder.add("x", DType::F32, {}, &x); });
+  EXPECT_NE(message.find("'x'"), std::string::npos);
+  EXPECT_EQ(builder.manifest().entries.size(), 1u);
+}
+
+TEST(Builder, RefusesEmptyName) {
+  float x = 0;
+  BucketBuilder builder;
+  expect_error(ErrorCode::BadName, [&] { builder.add("", DType::F32, {}, &x); });
+  EXPECT_TRUE(builder.manifest().entries.empty());
+}
+
+TEST(Builder, RefusesOverlongName) {
+  float x = 0;
+  BucketBuilder builder;
+  expect_error(ErrorCode::BadName,
+               [&] { builder.add(std::string(kMaxNameBytes + 1, 'n'), DType::F32, {}, &x); });
+}
+
+TEST(Builder, RefusesUnknownDtype) {
+  float x = 0;
+  BucketBuilder builder;
+  expect_error(ErrorCode::UnsupportedDtype,
+               [&] { builder.add("x", static_cast<DType>(kDTypeCount), {}, &x); });
+}
+
+TEST(Builder, RefusesNegativeDim) {
+  float x = 0;
+  BucketBuilder builder;
+  auto message = expect_error(ErrorCode::BadShape, [&] { builder.add("x", DType::F32, {2, -1}, &x); });
+  EXPECT_NE(message.find("[2, -1]"), std::string::npos) << message;
+}
+
+TEST(Builder, RefusesSizeOverflow) {
+  float x = 0;
+  BucketBuilder builder;
+  expect_error(ErrorCode::BadShape,
+               [&] { builder.add("x", DType::F64, {1ll << 31, 1ll << 31, 1ll << 31}, &x); });
+  EXPECT_EQ(builder.payload_bytes(), 0u);
+}
+
+// Seed 002: a meta tensor (shape but no storage) must not be packed as garbage.
+TEST(Builder, Seed002RefusesUnmaterializedEntry) {
+  BucketBuilder builder;
+  auto message = expect_error(ErrorCode::Unmaterialized,
+                              [&] { builder.add("layers.0.weight", DType::BF16, {8, 8}, nullptr); });
+  EXPECT_NE(message.find("'layers.0.weight'"), std::string::npos) << message;
+  EXPECT_NE(message.find("has no data"), std::string::npos) << message;
+  EXPECT_TRUE(builder.manifest().entries.empty());
+}
+
+TEST(Builder, AcceptsEmptyTensorWithoutData) {
+  BucketBuilder builder;
+  builder.add("empty", DType::F32, {0, 16}, nullptr);
+  EXPECT_EQ(builder.manifest().entries[0].byte_length, 0u);
+}
+
+TEST(Builder, RefusesIncompleteGroup) {
+  float w = 0;
+  BucketBuilder builder;
+  builder.add("w", DType::F32, {}, &w).group("quant", {"w", "w.scales"});
+  auto message = expect_error(ErrorCode::IncompleteGroup, [&] { builder.pack(); });
+  EXPECT_NE(message.find("group 'quant' is missing member 'w.scales'"), std::string::npos);
+}
+
+TEST(Builder, GroupMayBeDeclaredBeforeItsMembers) {
+  float w = 0, s = 0;
+  BucketBuilder builder;
+  builder.group("quant", {"w", "s"}).add("w", DType::F32, {}, &w).add("s", DType::F32, {}, &s);
+  EXPECT_EQ(builder.manifest().entries[1].group, "quant");
+  EXPECT_NO_THROW(builder.pack());
+}
+
+TEST(Builder, RefusesEntryInTwoGroups) {
+  float w = 0;
+  BucketBuilder builder;
+  builder.add("w", DType::F32, {}, &w).group("a", {"w"});
+  expect_error(ErrorCode::InvalidArgument, [&] { builder.group("b", {"w"}); });
+  EXPECT_EQ(builder.manifest().groups.size(), 1u);
+}
+
+TEST(Builder, RefusesBucketIndexPastCount) {
+  BucketBuilder builder;
+  expect_error(ErrorCode::InvalidArgument, [&] { builder.bucket(4, 4); });
+}
+
+}  // namespace
+}  // namespace tensorbucket

@@ -1,0 +1,262 @@
+// One test per verification rule (docs/format.md) and per seed case: each asserts the exact
+// error code, that the message names the culprit, and that no view was produced.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "support.hpp"
+
+namespace tensorbucket {
+namespace {
+
+using test::expect_error;
+using test::expect_rejected;
+
+// Three F32 entries [4] at offsets 0, 256, 512 over a 768-byte payload.
+struct Fixture {
+  Manifest manifest;
+  AlignedBuffer payload{768};
+
+  Fixture() {
+    for (int i = 0; i < 3; ++i) {
+      manifest.entries.push_back({"w" + std::to_string(i), DType::F32, {4},
+                                  256u * static_cast<unsigned>(i), 16, ""});
+    }
+    std::memset(payload.span().data(), 0x11, payload.size());
+  }
+  std::vector<std::byte> frame(EncodeOptions options = {}) const {
+    return encode_frame(manifest, payload.span(), options);
+  }
+};
+
+TEST(Verify, AcceptsAWellFormedBucket) {
+  Fixture f;
+  auto view = BucketView::open(f.frame(), f.payload.span());
+  ASSERT_EQ(view.size(), 3u);
+  EXPECT_EQ(view[2].bytes.data(), f.payload.span().data() + 512);
+  EXPECT_EQ(view.find("w1")->bytes.size(), 16u);
+  EXPECT_FALSE(view.find("nope").has_value());
+}
+
+// Seed 000: the manifest arrived, the payload did not.
+TEST(Verify, Seed000RejectsManifestWithoutPayload) {
+  Fixture f;
+  auto message = expect_rejected(ErrorCode::MissingPayload, f.frame(), {});
+  EXPECT_NE(message.find("768"), std::string::npos) << message;
+}
+
+TEST(Verify, RejectsPayloadShorterThanHeaderDeclares) {
+  Fixture f;
+  auto message = expect_rejected(ErrorCode::MissingPayload, f.frame(), f.payload.span().first(700));
+  EXPECT_NE(message.find("700"), std::string::npos) << message;
+}
+
+// Seed 001: the payload arrived, the manifest did not.
+TEST(Verify, Seed001RejectsPayloadWithoutManifest) {
+  Fixture f;
+  expect_rejected(ErrorCode::MissingManifest, {}, f.payload.span());
+}
+
+TEST(Verify, RejectsHeaderThatDeclaresNoManifest) {
+  Fixture f;
+  auto frame = f.frame();
+  BucketHeader header;
+  std::memcpy(&header, frame.data(), sizeof header);
+  header.manifest_bytes = 0;
+  std::memcpy(frame.data(), &header, sizeof header);
+  frame.resize(sizeof header);
+  expect_rejected(ErrorCode::MissingManifest, frame, f.payload.span());
+}
+
+TEST(Verify, RejectsManifestWhoseHashDiffers) {
+  Fixture f;
+  auto frame = f.frame();
+  frame.back() ^= std::byte{1};
+  expect_rejected(ErrorCode::ChecksumMismatch, frame, f.payload.span());
+}
+
+TEST(Verify, RejectsPayloadWhoseHashDiffers) {
+  Fixture f;
+  auto frame = f.frame({.payload_checksum = true});
+  f.payload.span()[300] ^= std::byte{0x80};
+  auto message = expect_rejected(ErrorCode::ChecksumMismatch, frame, f.payload.span());
+  EXPECT_NE(message.find("payload hash"), std::string::npos) << message;
+}
+
+TEST(Verify, SkipsPayloadHashWhenAskedTo) {
+  Fixture f;
+  auto frame = f.frame({.payload_checksum = true});
+  f.payload.span()[300] ^= std::byte{0x80};
+  EXPECT_NO_THROW(BucketView::open(frame, f.payload.span(), {.check_payload_checksum = false}));
+}
+
+TEST(Verify, RejectsDuplicateNames) {
+  Fixture f;
+  f.manifest.entries[2].name = "w0";
+  auto message = expect_rejected(ErrorCode::DuplicateName, f.frame(), f.payload.span());
+  EXPECT_NE(message.find("'w0'"), std::string::npos) << message;
+}
+
+TEST(Verify, RejectsEmptyName) {
+  Fixture f;
+  f.manifest.entries[1].name.clear();
+  expect_rejected(ErrorCode::BadName, f.frame(), f.payload.span());
+}
+
+TEST(Verify, RejectsOverlongName) {
+  Fixture f;
+  f.manifest.entries[1].name.assign(kMaxNameBytes + 1, 'x');
+  // The decoder bounds names before allocating, so this is caught as corrupt bytes.
+  expect_rejected(ErrorCode::ManifestCorrupt, f.frame(), f.payload.span());
+  expect_error(ErrorCode::BadName, [&] { verify_manifest(f.manifest, 768); });
+}
+
+TEST(Verify, RejectsUnknownDtype) {
+  Fixture f;
+  f.manifest.entries[1].dtype = static_cast<DType>(200);
+  auto message = expect_rejected(ErrorCode::UnsupportedDtype, f.frame(), f.payload.span());
+  EXPECT_NE(message.find("'w1'"), std::string::npos) << message;
+}
+
+TEST(Verify, RejectsNegativeDim) {
+  Fixture f;
+  f.manifest.entries[0].shape = {-4};
+  expect_rejected(ErrorCode::BadShape, f.frame(), f.payload.span());
+}
+
+TEST(Verify, RejectsByteLengthThatDisagreesWithShape) {
+  Fixture f;
+  f.manifest.entries[0].byte_length = 12;
+  auto message = expect_rejected(ErrorCode::BadShape, f.frame(), f.payload.span());
+  EXPECT_NE(message.find("needs 16 bytes but declares 12"), std::string::npos) << message;
+}
+
+TEST(Verify, RejectsShapeWhoseSizeOverflows) {
+  Fixture f;
+  f.manifest.entries[0].shape = {1ll << 40, 1ll << 40};
+  expect_rejected(ErrorCode::BadShape, f.frame(), f.payload.span());
+}
+
+TEST(Verify, RejectsTooManyDims) {
+  Fixture f;
+  f.manifest.entries[0].shape.assign(kMaxRank + 1, 1);
+  expect_error(ErrorCode::BadShape, [&] { verify_manifest(f.manifest, 768); });
+}
+
+TEST(Verify, RejectsMisalignedOffset) {
+  Fixture f;
+  f.manifest.entries[1].byte_offset = 260;
+  auto message = expect_rejected(ErrorCode::Misaligned, f.frame(), f.payload.span());
+  EXPECT_NE(message.find("260"), std::string::npos) << message;
+}
+
+TEST(Verify, RejectsEntryEndingPastPayload) {
+  Fixture f;
+  f.manifest.entries[2].byte_offset = 768;
+  auto message = expect_rejected(ErrorCode::OutOfBounds, f.frame(), f.payload.span());
+  EXPECT_NE(message.find("'w2'"), std::string::npos) << message;
+}
+
+TEST(Verify, RejectsOffsetThatWouldWrapAround) {
+  Fixture f;
+  f.manifest.entries[2].byte_offset = ~std::uint64_t{0} - 255;
+  expect_rejected(ErrorCode::OutOfBounds, f.frame(), f.payload.span());
+}
+
+TEST(Verify, RejectsOverlappingEntries) {
+  Fixture f;
+  f.manifest.entries[1].shape = {128};
+  f.manifest.entries[1].byte_length = 512;  // [256, 768) covers w2 at 512
+  auto message = expect_rejected(ErrorCode::Overlap, f.frame(), f.payload.span());
+  EXPECT_NE(message.find("'w2'"), std::string::npos) << message;
+  EXPECT_NE(message.find("'w1'"), std::string::npos) << message;
+}
+
+TEST(Verify, RejectsOverlapEvenWhenEntriesAreOutOfOrder) {
+  Fixture f;
+  std::swap(f.manifest.entries[0], f.manifest.entries[2]);
+  f.manifest.entries[2].byte_offset = 512;  // w0 now sits on w2
+  expect_rejected(ErrorCode::Overlap, f.frame(), f.payload.span());
+}
+
+TEST(Verify, AcceptsEmptyEntriesSharingAnOffset) {
+  Fixture f;
+  f.manifest.entries.push_back({"empty", DType::BF16, {0, 3}, 256, 0, ""});
+  EXPECT_NO_THROW(BucketView::open(f.frame(), f.payload.span()));
+}
+
+// Seed 003: a quantized weight arrived without its scales.
+TEST(Verify, Seed003RejectsGroupMissingAMember) {
+  Fixture f;
+  f.manifest.entries[0].group = "q";
+  f.manifest.groups.push_back({"q", {"w0", "w0.scales"}});
+  auto message = expect_rejected(ErrorCode::IncompleteGroup, f.frame(), f.payload.span());
+  EXPECT_NE(message.find("group 'q' is missing member 'w0.scales'"), std::string::npos) << message;
+}
+
+TEST(Verify, RejectsEntryNamingAGroupThatDoesNotListIt) {
+  Fixture f;
+  f.manifest.entries[1].group = "q";
+  f.manifest.entries[0].group = "q";
+  f.manifest.groups.push_back({"q", {"w0"}});
+  auto message = expect_rejected(ErrorCode::IncompleteGroup, f.frame(), f.payload.span());
+  EXPECT_NE(message.find("'w1'"), std::string::npos) << message;
+}
+
+TEST(Verify, RejectsEntryListedByTwoGroups) {
+  Fixture f;
+  f.manifest.entries[0].group = "a";
+  f.manifest.groups.push_back({"a", {"w0"}});
+  f.manifest.groups.push_back({"b", {"w0"}});
+  expect_rejected(ErrorCode::IncompleteGroup, f.frame(), f.payload.span());
+}
+
+TEST(Verify, RejectsDuplicateGroupNames) {
+  Fixture f;
+  f.manifest.groups.push_back({"a", {}});
+  f.manifest.groups.push_back({"a", {}});
+  expect_rejected(ErrorCode::DuplicateName, f.frame(), f.payload.span());
+}
+
+TEST(Verify, RejectsBucketIndexPastCount) {
+  Fixture f;
+  f.manifest.bucket_index = 3;
+  f.manifest.bucket_count = 3;
+  expect_rejected(ErrorCode::ManifestCorrupt, f.frame(), f.payload.span());
+}
+
+TEST(Verify, AcceptsBucketMatchingExpectedManifest) {
+  Fixture f;
+  Manifest expected = f.manifest;
+  for (auto& entry : expected.entries) entry.byte_offset = 0;  // offsets are not compared
+  EXPECT_NO_THROW(BucketView::open(f.frame(), f.payload.span(), {.expected = &expected}));
+}
+
+TEST(Verify, ReportsEveryExpectedManifestDifferenceInOneError) {
+  Fixture f;
+  Manifest expected;
+  expected.entries = {
+      {"w0", DType::F32, {2, 2}, 0, 16, ""},   // shape differs
+      {"w1", DType::BF16, {4}, 0, 8, ""},      // dtype differs
+      {"bias", DType::F32, {4}, 0, 16, ""},    // missing
+      {"norm", DType::F32, {4}, 0, 16, ""},    // missing
+  };                                           // w2 is unexpected
+  auto message = expect_rejected(ErrorCode::ManifestMismatch, f.frame(), f.payload.span(),
+                                 {.expected = &expected});
+  for (const char* part : {"missing 'bias', 'norm'", "unexpected 'w2'",
+                           "'w0' has shape [4], expected [2, 2]",
+                           "'w1' has dtype F32, expected BF16"}) {
+    EXPECT_NE(message.find(part), std::string::npos) << part << " not in: " << message;
+  }
+}
+
+TEST(Verify, ErrorMessagesEscapeControlBytesInNames) {
+  Fixture f;
+  f.manifest.entries[0].name = std::string("a\nb", 3);
+  f.manifest.entries[0].byte_offset = 1;
+  auto message = expect_rejected(ErrorCode::Misaligned, f.frame(), f.payload.span());
+  EXPECT_NE(message.find("'a\\x0ab'"), std::string::npos) << message;
+}
+
+}  // namespace
+}  // namespace tensorbucket

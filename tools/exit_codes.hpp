@@ -1,0 +1,40 @@
+// The tbucket exit statuses, a contract scripts rely on (README "Exit codes").
+#pragma once
+
+#include "tensorbucket/error.hpp"
+
+namespace tensorbucket::cli {
+
+enum ExitCode : int {
+  kOk = 0,
+  kOtherError = 1,
+  kUsage = 2,
+  kTimeout = 3,
+  kProducerGone = 4,
+  kVerificationFailed = 5,
+  kChannelUnavailable = 6,
+};
+
+constexpr int exit_code_for(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::InvalidArgument: return kOtherError;
+    case ErrorCode::MissingManifest:
+    case ErrorCode::MissingPayload:
+    case ErrorCode::HeaderCorrupt:
+    case ErrorCode::ManifestCorrupt:
+    case ErrorCode::ChecksumMismatch:
+    case ErrorCode::UnsupportedDtype:
+    case ErrorCode::BadName:
+    case ErrorCode::BadShape:
+    case ErrorCode::OutOfBounds:
+    case ErrorCode::Overlap:
+    case ErrorCode::Misaligned:
+    case ErrorCode::DuplicateName:
+    case ErrorCode::IncompleteGroup:
+    case ErrorCode::Unmaterialized:
+    case ErrorCode::ManifestMismatch: return kVerificationFailed;
+  }
+  return kOtherError;
+}
+
+}  // namespace tensorbucket::cli
