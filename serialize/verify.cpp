@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <limits>
-#include <map>
 #include <sstream>
 #include <unordered_set>
 
@@ -117,16 +116,16 @@ void check_groups(const Manifest& manifest, const detail::NameIndex& index) {
     }
     for (const auto& member : group.members) {
       auto found = index.find(member);
-      if (found == index.end()) {
+      if (!found) {
         fail(ErrorCode::IncompleteGroup, "group ", Quoted{group.name}, " is missing member ",
              Quoted{member});
       }
-      const auto& entry = manifest.entries[found->second];
-      if (claimed_by[found->second] != nullptr || entry.group != group.name) {
+      const auto& entry = manifest.entries[*found];
+      if (claimed_by[*found] != nullptr || entry.group != group.name) {
         fail(ErrorCode::IncompleteGroup, "group ", Quoted{group.name}, " lists entry ",
              Quoted{member}, " which declares group ", Quoted{entry.group});
       }
-      claimed_by[found->second] = &group;
+      claimed_by[*found] = &group;
     }
   }
   for (std::size_t i = 0; i < manifest.entries.size(); ++i) {
@@ -150,15 +149,13 @@ void detail::verify_manifest(const Manifest& manifest, std::uint64_t payload_byt
     fail(ErrorCode::ManifestCorrupt, "bucket index ", manifest.bucket_index,
          " is not below bucket count ", manifest.bucket_count);
   }
-  index.clear();
-  index.reserve(manifest.entries.size());
   for (std::size_t i = 0; i < manifest.entries.size(); ++i) {
-    const auto& entry = manifest.entries[i];
-    check_name(entry.name, i, "entry");
-    if (!index.emplace(entry.name, i).second) {
-      fail(ErrorCode::DuplicateName, "entry name ", Quoted{entry.name}, " appears twice");
-    }
-    check_entry(entry, payload_bytes);
+    check_name(manifest.entries[i].name, i, "entry");
+    check_entry(manifest.entries[i], payload_bytes);
+  }
+  if (auto repeated = index.build(manifest.entries)) {
+    fail(ErrorCode::DuplicateName, "entry name ", Quoted{manifest.entries[*repeated].name},
+         " appears twice");
   }
   check_no_overlap(manifest);
   check_groups(manifest, index);
@@ -170,22 +167,20 @@ void verify_manifest(const Manifest& manifest, std::uint64_t payload_bytes) {
 }
 
 void check_expected(const Manifest& actual, const Manifest& expected) {
-  std::unordered_map<std::string_view, const ManifestEntry*> wanted;
-  wanted.reserve(expected.entries.size());
-  for (const auto& entry : expected.entries) wanted.emplace(entry.name, &entry);
+  detail::NameIndex wanted;
+  wanted.build(expected.entries);
 
-  // One line per class of problem, each listing every name, like a strict load_state_dict.
+  // One clause per class of problem, each listing every name, like a strict load_state_dict.
   std::ostringstream missing, unexpected, mismatched;
-  std::unordered_set<std::string_view> seen;
-  seen.reserve(actual.entries.size());
+  std::vector<bool> seen(expected.entries.size(), false);
   for (const auto& entry : actual.entries) {
-    seen.insert(entry.name);
     auto found = wanted.find(entry.name);
-    if (found == wanted.end()) {
+    if (!found) {
       unexpected << (unexpected.tellp() > 0 ? ", " : "") << Quoted{entry.name};
       continue;
     }
-    const auto& want = *found->second;
+    seen[*found] = true;
+    const auto& want = expected.entries[*found];
     if (want.dtype != entry.dtype) {
       mismatched << "; " << Quoted{entry.name} << " has dtype " << entry.dtype << ", expected "
                  << want.dtype;
@@ -195,10 +190,8 @@ void check_expected(const Manifest& actual, const Manifest& expected) {
                  << ", expected " << Dims{want.shape};
     }
   }
-  for (const auto& entry : expected.entries) {
-    if (!seen.contains(entry.name)) {
-      missing << (missing.tellp() > 0 ? ", " : "") << Quoted{entry.name};
-    }
+  for (std::size_t i = 0; i < expected.entries.size(); ++i) {
+    if (!seen[i]) missing << (missing.tellp() > 0 ? ", " : "") << Quoted{expected.entries[i].name};
   }
   if (missing.tellp() == 0 && unexpected.tellp() == 0 && mismatched.tellp() == 0) return;
 

@@ -3,6 +3,7 @@
 // matches, and the payload is hashed only after the manifest proved it fits.
 #include "tensorbucket/bucket.hpp"
 #include "text.hpp"
+#include "name_index.hpp"
 #include "verify.hpp"
 
 namespace tensorbucket {
@@ -24,7 +25,7 @@ BucketView BucketView::open(std::span<const std::byte> frame, std::span<const st
 
   BucketView view;
   view.manifest_ = decode_manifest(manifest_bytes(header, frame));
-  detail::verify_manifest(view.manifest_, header.payload_bytes, view.index_);
+  detail::verify_manifest(view.manifest_, header.payload_bytes, *view.index_);
   if (options.expected != nullptr) check_expected(view.manifest_, *options.expected);
   if ((header.flags & kPayloadChecksum) && options.check_payload_checksum &&
       xxh3(payload) != header.payload_xxh3) {
@@ -35,6 +36,11 @@ BucketView BucketView::open(std::span<const std::byte> frame, std::span<const st
   return view;
 }
 
+BucketView::BucketView() : index_(std::make_unique<detail::NameIndex>()) {}
+BucketView::BucketView(BucketView&&) noexcept = default;
+BucketView& BucketView::operator=(BucketView&&) noexcept = default;
+BucketView::~BucketView() = default;
+
 TensorView BucketView::operator[](std::size_t index) const {
   const auto& entry = manifest_.entries.at(index);
   return {entry.name, entry.dtype, entry.shape,
@@ -42,9 +48,9 @@ TensorView BucketView::operator[](std::size_t index) const {
 }
 
 std::optional<TensorView> BucketView::find(std::string_view name) const {
-  auto found = index_.find(name);
-  if (found == index_.end()) return std::nullopt;
-  return (*this)[found->second];
+  auto found = index_->find(name);
+  if (!found) return std::nullopt;
+  return (*this)[*found];
 }
 
 }  // namespace tensorbucket

@@ -24,10 +24,10 @@ Manifest sample_manifest() {
   return m;
 }
 
-std::vector<std::byte> u64_bytes(std::uint64_t value) {
-  std::vector<std::byte> out(8);
-  std::memcpy(out.data(), &value, 8);
-  return out;
+void append_u64(std::vector<std::byte>& bytes, std::uint64_t value) {
+  auto at = bytes.size();
+  bytes.resize(at + 8);
+  std::memcpy(bytes.data() + at, &value, 8);
 }
 
 // The fixed prefix of an encoding: endianness flag, format version, version, index, count.
@@ -95,27 +95,40 @@ TEST(Codec, RejectsEveryTruncation) {
 
 TEST(Codec, RefusesHugeEntryCountBeforeAllocating) {
   auto bytes = prefix();
-  auto count = u64_bytes(~std::uint64_t{0});
-  bytes.insert(bytes.end(), count.begin(), count.end());
+  append_u64(bytes, ~std::uint64_t{0});
   auto message = expect_error(ErrorCode::ManifestCorrupt, [&] { decode_manifest(bytes); });
   EXPECT_NE(message.find("limit"), std::string::npos) << message;
 }
 
 TEST(Codec, RefusesEntryCountTheBytesCannotHold) {
   auto bytes = prefix();
-  auto count = u64_bytes(1000);  // under the limit, but nothing follows
-  bytes.insert(bytes.end(), count.begin(), count.end());
+  append_u64(bytes, 1000);  // under the limit, but nothing follows
   auto message = expect_error(ErrorCode::ManifestCorrupt, [&] { decode_manifest(bytes); });
-  EXPECT_NE(message.find("only 0 bytes remain"), std::string::npos) << message;
+  EXPECT_NE(message.find("but only 0 remain"), std::string::npos) << message;
 }
 
 TEST(Codec, RefusesHugeNameLengthBeforeAllocating) {
   auto bytes = prefix();
-  auto count = u64_bytes(1);
-  auto name_length = u64_bytes(1ull << 40);
-  bytes.insert(bytes.end(), count.begin(), count.end());
-  bytes.insert(bytes.end(), name_length.begin(), name_length.end());
+  append_u64(bytes, 1);  // one entry record: dtype, rank, offset, length, name bytes, group bytes
+  for (std::uint64_t field : {0ull, 0ull, 0ull, 0ull, 1ull << 40, 0ull}) append_u64(bytes, field);
   bytes.resize(bytes.size() + 64);
+  auto message = expect_error(ErrorCode::ManifestCorrupt, [&] { decode_manifest(bytes); });
+  EXPECT_NE(message.find("1099511627776 bytes in one name"), std::string::npos) << message;
+}
+
+TEST(Codec, RefusesGroupMembersPastTheTotalLimit) {
+  auto bytes = prefix();
+  append_u64(bytes, 0);  // no entries
+  append_u64(bytes, 2);  // two group records {name bytes, member count}, each within limits
+  for (std::uint64_t field : {std::uint64_t{1}, kMaxEntries, std::uint64_t{1}, kMaxEntries}) append_u64(bytes, field);
+  bytes.resize(bytes.size() + 256);
+  auto message = expect_error(ErrorCode::ManifestCorrupt, [&] { decode_manifest(bytes); });
+  EXPECT_NE(message.find("group members in all"), std::string::npos) << message;
+}
+
+TEST(Codec, RejectsBigEndianFlag) {
+  auto bytes = encode_manifest(Manifest{});
+  bytes[0] = std::byte{0};
   expect_error(ErrorCode::ManifestCorrupt, [&] { decode_manifest(bytes); });
 }
 

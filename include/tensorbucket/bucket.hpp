@@ -28,6 +28,9 @@
 #include "tensorbucket/manifest.hpp"
 
 namespace tensorbucket {
+namespace detail {
+class NameIndex;
+}  // namespace detail
 
 // Heap bytes aligned to kPayloadAlignment, left uninitialized (packing overwrites them all).
 class AlignedBuffer {
@@ -124,10 +127,11 @@ class BucketView {
                          const VerifyOptions& options = {});
 
   // Move-only: the name index points into this view's own manifest.
-  BucketView(BucketView&&) noexcept = default;
-  BucketView& operator=(BucketView&&) noexcept = default;
+  BucketView(BucketView&&) noexcept;
+  BucketView& operator=(BucketView&&) noexcept;
   BucketView(const BucketView&) = delete;
   BucketView& operator=(const BucketView&) = delete;
+  ~BucketView();
 
   const Manifest& manifest() const noexcept { return manifest_; }
   std::size_t size() const noexcept { return manifest_.entries.size(); }
@@ -135,12 +139,12 @@ class BucketView {
   std::optional<TensorView> find(std::string_view name) const;
 
  private:
-  BucketView() = default;
+  BucketView();
 
   Manifest manifest_;
   std::span<const std::byte> payload_;
-  // Keys view the names inside manifest_.entries, whose heap storage moves with the view.
-  std::unordered_map<std::string_view, std::size_t> index_;
+  // Views manifest_.entries' heap storage, which moves along with the view.
+  std::unique_ptr<detail::NameIndex> index_;
 };
 
 }  // namespace tensorbucket
