@@ -83,12 +83,10 @@ ManifestEntry& BucketBuilder::append(std::string name, DType dtype,
 
 BucketBuilder& BucketBuilder::add(std::string name, DType dtype, std::vector<std::int64_t> shape,
                                   const void* data) {
-  if (data == nullptr) {
-    auto byte_length = checked_byte_length(dtype, shape).value_or(1);
-    if (byte_length != 0) {
-      fail(ErrorCode::Unmaterialized, "entry ", Quoted{name}, " of ", dtype, ' ', Dims{shape},
-           " has no data (an unmaterialized tensor?)");
-    }
+  // An invalid shape or dtype is left for append() to report as such.
+  if (data == nullptr && checked_byte_length(dtype, shape).value_or(0) != 0) {
+    fail(ErrorCode::Unmaterialized, "entry ", Quoted{name}, " of ", dtype, ' ', Dims{shape},
+         " has no data (an unmaterialized tensor?)");
   }
   append(std::move(name), dtype, std::move(shape));
   sources_.push_back(static_cast<const std::byte*>(data));

@@ -147,6 +147,11 @@ TEST(Builder, Seed002RefusesUnmaterializedEntry) {
   EXPECT_TRUE(builder.manifest().entries.empty());
 }
 
+TEST(Builder, ReportsBadShapeBeforeMissingData) {
+  BucketBuilder builder;
+  expect_error(ErrorCode::BadShape, [&] { builder.add("x", DType::F32, {-2}, nullptr); });
+}
+
 TEST(Builder, AcceptsEmptyTensorWithoutData) {
   BucketBuilder builder;
   builder.add("empty", DType::F32, {0, 16}, nullptr);
