@@ -4,10 +4,12 @@
 
 #include "tensorbucket/bucket.hpp"
 #include "text.hpp"
+#include "verify.hpp"
 
 namespace tensorbucket {
 
 using text::Dims;
+using text::operator<<;
 using text::fail;
 using text::Quoted;
 
@@ -43,42 +45,29 @@ BucketBuilder& BucketBuilder::bucket(std::uint32_t index, std::uint32_t count) {
   return *this;
 }
 
-ManifestEntry& BucketBuilder::append(std::string name, DType dtype,
+void BucketBuilder::append(std::string name, DType dtype,
                                      std::vector<std::int64_t> shape) {
-  if (name.empty()) fail(ErrorCode::BadName, "entry ", manifest_.entries.size(), " has an empty name");
-  if (name.size() > kMaxNameBytes) {
-    fail(ErrorCode::BadName, "entry name ", Quoted{name.substr(0, 64)}, "... is ", name.size(),
-         " bytes long; the limit is ", kMaxNameBytes);
-  }
+  detail::check_name(name, manifest_.entries.size(), "entry");
   if (entry_index_.contains(name)) {
     fail(ErrorCode::DuplicateName, "entry name ", Quoted{name}, " was already added");
   }
-  if (!is_known(dtype)) fail(ErrorCode::UnsupportedDtype, "entry ", Quoted{name}, " has unknown ", dtype);
-  if (shape.size() > kMaxRank) {
-    fail(ErrorCode::BadShape, "entry ", Quoted{name}, " has ", shape.size(),
-         " dims; the limit is ", kMaxRank);
-  }
-  auto byte_length = checked_byte_length(dtype, shape);
-  if (!byte_length) {
-    fail(ErrorCode::BadShape, "entry ", Quoted{name}, " has shape ", Dims{shape},
-         " with a negative dim or a size past ", kMaxPayloadBytes, " bytes");
-  }
+  auto byte_length = detail::check_tensor(name, dtype, shape);
   if (manifest_.entries.size() >= kMaxEntries) {
     fail(ErrorCode::InvalidArgument, "bucket already holds ", kMaxEntries, " entries");
   }
   auto byte_offset = align_up(payload_bytes_);
-  auto end = align_up(byte_offset + *byte_length);
+  auto end = align_up(byte_offset + byte_length);
   if (end > kMaxPayloadBytes) {
     fail(ErrorCode::BadShape, "entry ", Quoted{name}, " would end the payload at byte ", end,
          ", past the limit of ", kMaxPayloadBytes);
   }
 
   auto group = group_of_member_.find(name);
-  ManifestEntry entry{std::move(name), dtype, std::move(shape), byte_offset, *byte_length,
+  ManifestEntry entry{std::move(name), dtype, std::move(shape), byte_offset, byte_length,
                       group == group_of_member_.end() ? std::string{} : group->second};
   entry_index_.emplace(entry.name, manifest_.entries.size());
   payload_bytes_ = end;
-  return manifest_.entries.emplace_back(std::move(entry));
+  manifest_.entries.push_back(std::move(entry));
 }
 
 BucketBuilder& BucketBuilder::add(std::string name, DType dtype, std::vector<std::int64_t> shape,
@@ -101,11 +90,7 @@ BucketBuilder& BucketBuilder::declare(std::string name, DType dtype,
 }
 
 BucketBuilder& BucketBuilder::group(std::string name, std::vector<std::string> members) {
-  if (name.empty()) fail(ErrorCode::BadName, "group ", manifest_.groups.size(), " has an empty name");
-  if (name.size() > kMaxNameBytes) {
-    fail(ErrorCode::BadName, "group name ", Quoted{name.substr(0, 64)}, "... is ", name.size(),
-         " bytes long; the limit is ", kMaxNameBytes);
-  }
+  detail::check_name(name, manifest_.groups.size(), "group");
   for (const auto& group : manifest_.groups) {
     if (group.name == name) fail(ErrorCode::DuplicateName, "group ", Quoted{name}, " was already declared");
   }

@@ -4,7 +4,6 @@
 #include "verify.hpp"
 
 #include <algorithm>
-#include <limits>
 #include <sstream>
 #include <unordered_set>
 
@@ -34,32 +33,38 @@ std::optional<std::uint64_t> checked_byte_length(DType dtype,
   return total;
 }
 
-namespace {
-
-void check_name(std::string_view name, std::size_t index, const char* what) {
-  if (name.empty()) fail(ErrorCode::BadName, what, ' ', index, " has an empty name");
+void detail::check_name(std::string_view name, std::size_t position, const char* what) {
+  if (name.empty()) fail(ErrorCode::BadName, what, ' ', position, " has an empty name");
   if (name.size() > kMaxNameBytes) {
-    fail(ErrorCode::BadName, what, ' ', Quoted{name.substr(0, 64)}, "... is ", name.size(),
+    fail(ErrorCode::BadName, what, " name ", Quoted{name.substr(0, 64)}, "... is ", name.size(),
          " bytes long; the limit is ", kMaxNameBytes);
   }
 }
 
-void check_entry(const ManifestEntry& entry, std::uint64_t payload_bytes) {
-  if (!is_known(entry.dtype)) {
-    fail(ErrorCode::UnsupportedDtype, "entry ", Quoted{entry.name}, " has unknown ", entry.dtype);
-  }
-  if (entry.shape.size() > kMaxRank) {
-    fail(ErrorCode::BadShape, "entry ", Quoted{entry.name}, " has ", entry.shape.size(),
+std::uint64_t detail::check_tensor(std::string_view name, DType dtype,
+                                   std::span<const std::int64_t> shape) {
+  if (!is_known(dtype)) fail(ErrorCode::UnsupportedDtype, "entry ", Quoted{name}, " has unknown ", dtype);
+  if (shape.size() > kMaxRank) {
+    fail(ErrorCode::BadShape, "entry ", Quoted{name}, " has ", shape.size(),
          " dims; the limit is ", kMaxRank);
   }
-  auto expected_length = checked_byte_length(entry.dtype, entry.shape);
-  if (!expected_length) {
-    fail(ErrorCode::BadShape, "entry ", Quoted{entry.name}, " has shape ", Dims{entry.shape},
+  auto byte_length = checked_byte_length(dtype, shape);
+  if (!byte_length) {
+    fail(ErrorCode::BadShape, "entry ", Quoted{name}, " has shape ", Dims{shape},
          " with a negative dim or a size past ", kMaxPayloadBytes, " bytes");
   }
-  if (*expected_length != entry.byte_length) {
+  return *byte_length;
+}
+
+namespace {
+
+using detail::check_name;
+
+void check_entry(const ManifestEntry& entry, std::uint64_t payload_bytes) {
+  auto expected_length = detail::check_tensor(entry.name, entry.dtype, entry.shape);
+  if (expected_length != entry.byte_length) {
     fail(ErrorCode::BadShape, "entry ", Quoted{entry.name}, " of ", entry.dtype, ' ',
-         Dims{entry.shape}, " needs ", *expected_length, " bytes but declares ",
+         Dims{entry.shape}, " needs ", expected_length, " bytes but declares ",
          entry.byte_length);
   }
   if (entry.byte_offset % kPayloadAlignment != 0) {

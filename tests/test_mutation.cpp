@@ -52,6 +52,22 @@ void expect_views_inside(const BucketView& view, std::span<const std::byte> payl
 struct Outcome {
   std::size_t accepted = 0;
   std::size_t rejected = 0;
+
+  // A typed Error is a rejection; anything else escapes and fails the test.
+  template <class Attempt>
+  void run(Attempt&& attempt) {
+    try {
+      attempt();
+      ++accepted;
+    } catch (const Error&) {
+      ++rejected;
+    }
+  }
+  // Both outcomes must occur, or the mutations are not exercising the decoder.
+  void expect_both(std::uint64_t iterations) const {
+    EXPECT_GT(rejected, iterations / 2);
+    EXPECT_GT(accepted, 0u);
+  }
 };
 
 TEST(Mutation, ManifestBytesDecodeOrRejectTyped) {
@@ -64,21 +80,16 @@ TEST(Mutation, ManifestBytesDecodeOrRejectTyped) {
     auto packed = bucket.builder.pack();
     auto original = encode_manifest(bucket.builder.manifest());
     auto bytes = mutate(original, rng);
-    try {
+    outcome.run([&] {
       auto manifest = decode_manifest(bytes);
       verify_manifest(manifest, packed.payload.size());
       ASSERT_EQ(decode_manifest(encode_manifest(manifest)), manifest) << "iteration " << i;
       auto view = BucketView::open(encode_frame(manifest, packed.payload.span()),
                                    packed.payload.span());
       expect_views_inside(view, packed.payload.span());
-      ++outcome.accepted;
-    } catch (const Error&) {
-      ++outcome.rejected;
-    }
+    });
   }
-  // Both outcomes must occur, or the mutations are not exercising the decoder.
-  EXPECT_GT(outcome.rejected, iterations / 2);
-  EXPECT_GT(outcome.accepted, 0u);
+  outcome.expect_both(iterations);
 }
 
 TEST(Mutation, FramesOpenOrRejectTyped) {
@@ -98,17 +109,13 @@ TEST(Mutation, FramesOpenOrRejectTyped) {
       header.resize(sizeof(BucketHeader));
       std::copy(header.begin(), header.end(), frame.begin());
     }
-    try {
+    outcome.run([&] {
       auto view = BucketView::open(frame, packed.payload.span());
       ASSERT_EQ(decode_manifest(encode_manifest(view.manifest())), view.manifest());
       expect_views_inside(view, packed.payload.span());
-      ++outcome.accepted;
-    } catch (const Error&) {
-      ++outcome.rejected;
-    }
+    });
   }
-  EXPECT_GT(outcome.rejected, iterations / 2);
-  EXPECT_GT(outcome.accepted, 0u);
+  outcome.expect_both(iterations);
 }
 
 }  // namespace

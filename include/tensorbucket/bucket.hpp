@@ -93,7 +93,7 @@ class BucketBuilder {
   PackedBucket pack(const EncodeOptions& options = {}) const;
 
  private:
-  ManifestEntry& append(std::string name, DType dtype, std::vector<std::int64_t> shape);
+  void append(std::string name, DType dtype, std::vector<std::int64_t> shape);
 
   Manifest manifest_;
   std::vector<const std::byte*> sources_;  // per entry; null for declare()d entries
@@ -120,7 +120,7 @@ struct VerifyOptions {
 
 class BucketView {
  public:
-  // Verifies `frame` and `payload` (docs/format.md, rules 1-5) and returns views into
+  // Verifies `frame` and `payload` (docs/format.md, "Verification") and returns views into
   // `payload`. MissingManifest / MissingPayload when a half is absent; otherwise the code of
   // the first rule broken. `payload` may be longer than the header's payload_bytes.
   static BucketView open(std::span<const std::byte> frame, std::span<const std::byte> payload,
