@@ -21,13 +21,12 @@ std::optional<std::uint64_t> checked_byte_length(DType dtype,
                                                  std::span<const std::int64_t> shape) noexcept {
   std::uint64_t total = itemsize(dtype);
   for (auto dim : shape) {
-    if (dim < 0) return std::nullopt;
-    if (__builtin_mul_overflow(total, static_cast<std::uint64_t>(dim), &total)) return std::nullopt;
-  }
-  // A zero dim makes any other dim harmless, but a dim past the limit is still refused so
-  // that numel() of an empty tensor cannot overflow either.
-  for (auto dim : shape) {
-    if (static_cast<std::uint64_t>(dim) > kMaxPayloadBytes) return std::nullopt;
+    // Every dim is bounded on its own too, so that numel() of an empty tensor (a zero dim
+    // beside a huge one) cannot overflow either.
+    if (dim < 0 || static_cast<std::uint64_t>(dim) > kMaxPayloadBytes ||
+        __builtin_mul_overflow(total, static_cast<std::uint64_t>(dim), &total)) {
+      return std::nullopt;
+    }
   }
   if (total > kMaxPayloadBytes) return std::nullopt;
   return total;
