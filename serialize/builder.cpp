@@ -46,7 +46,7 @@ BucketBuilder& BucketBuilder::bucket(std::uint32_t index, std::uint32_t count) {
 }
 
 void BucketBuilder::append(std::string name, DType dtype,
-                                     std::vector<std::int64_t> shape) {
+                                     Shape shape) {
   detail::check_name(name, manifest_.entries.size(), "entry");
   if (entry_index_.contains(name)) {
     fail(ErrorCode::DuplicateName, "entry name ", Quoted{name}, " was already added");
@@ -70,7 +70,7 @@ void BucketBuilder::append(std::string name, DType dtype,
   manifest_.entries.push_back(std::move(entry));
 }
 
-BucketBuilder& BucketBuilder::add(std::string name, DType dtype, std::vector<std::int64_t> shape,
+BucketBuilder& BucketBuilder::add(std::string name, DType dtype, Shape shape,
                                   const void* data) {
   // An invalid shape or dtype is left for append() to report as such.
   if (data == nullptr && checked_byte_length(dtype, shape).value_or(0) != 0) {
@@ -83,7 +83,7 @@ BucketBuilder& BucketBuilder::add(std::string name, DType dtype, std::vector<std
 }
 
 BucketBuilder& BucketBuilder::declare(std::string name, DType dtype,
-                                      std::vector<std::int64_t> shape) {
+                                      Shape shape) {
   append(std::move(name), dtype, std::move(shape));
   sources_.push_back(nullptr);
   return *this;

@@ -195,14 +195,27 @@ std::uint64_t bounded(std::uint64_t value, std::uint64_t limit, const char* what
 }  // namespace
 
 std::vector<std::byte> encode_manifest(const Manifest& manifest) {
-  std::vector<std::uint64_t> records;
-  records.reserve(manifest.entries.size() * kEntryFields);
-  std::string names, group_names;
-  std::vector<std::int64_t> dims;
+  // Size every column first so each is filled once, without regrowing.
+  std::size_t name_bytes = 0, group_bytes = 0, dim_count = 0;
   for (const auto& entry : manifest.entries) {
-    records.insert(records.end(), {static_cast<std::uint64_t>(entry.dtype), entry.shape.size(),
-                                   entry.byte_offset, entry.byte_length, entry.name.size(),
-                                   entry.group.size()});
+    name_bytes += entry.name.size();
+    group_bytes += entry.group.size();
+    dim_count += entry.shape.size();
+  }
+  std::vector<std::uint64_t> records(manifest.entries.size() * kEntryFields);
+  std::string names, group_names;
+  names.reserve(name_bytes);
+  group_names.reserve(group_bytes);
+  std::vector<std::int64_t> dims;
+  dims.reserve(dim_count);
+  auto* record = records.data();
+  for (const auto& entry : manifest.entries) {
+    *record++ = static_cast<std::uint64_t>(entry.dtype);
+    *record++ = entry.shape.size();
+    *record++ = entry.byte_offset;
+    *record++ = entry.byte_length;
+    *record++ = entry.name.size();
+    *record++ = entry.group.size();
     names += entry.name;
     group_names += entry.group;
     dims.insert(dims.end(), entry.shape.begin(), entry.shape.end());
@@ -272,17 +285,17 @@ Manifest decode_manifest(std::span<const std::byte> bytes) {
     auto group_names = decoder.blob(group_bytes, "entry group names");
     auto dims = decoder.words(dim_count, "dims");
 
-    manifest.entries.resize(entry_count);
+    manifest.entries.reserve(entry_count);
     std::size_t next_dim = 0;
     for (std::size_t i = 0; i < entry_count; ++i) {
       auto field = [&](std::size_t f) { return records[i * kEntryFields + f]; };
-      auto& entry = manifest.entries[i];
+      auto& entry = manifest.entries.emplace_back();
+      entry.name = names.next(field(4));
       entry.dtype = static_cast<DType>(field(0));
       entry.shape.resize(field(1));
       for (auto& dim : entry.shape) dim = static_cast<std::int64_t>(dims[next_dim++]);
       entry.byte_offset = field(2);
       entry.byte_length = field(3);
-      entry.name = names.next(field(4));
       entry.group = group_names.next(field(5));
     }
 

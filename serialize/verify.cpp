@@ -78,28 +78,45 @@ void check_entry(const ManifestEntry& entry, std::uint64_t payload_bytes) {
   }
 }
 
+void fail_overlap(const ManifestEntry& previous, const ManifestEntry& current) {
+  fail(ErrorCode::Overlap, "entry ", Quoted{current.name}, " at bytes [", current.byte_offset,
+       ", ", current.byte_offset + current.byte_length, ") overlaps entry ",
+       Quoted{previous.name}, " at bytes [", previous.byte_offset, ", ",
+       previous.byte_offset + previous.byte_length, ')');
+}
+
+// Empty entries occupy no bytes and cannot overlap anything.
 void check_no_overlap(const Manifest& manifest) {
-  // Empty entries occupy no bytes and cannot overlap anything.
+  // Builders emit entries in offset order: check that order in place, and sort a copy of the
+  // pointers only for a producer that did not.
+  const ManifestEntry* previous = nullptr;
+  bool sorted = true;
+  for (const auto& entry : manifest.entries) {
+    if (entry.byte_length == 0) continue;
+    if (previous != nullptr) {
+      if (entry.byte_offset < previous->byte_offset) {
+        sorted = false;
+        break;
+      }
+      if (previous->byte_offset + previous->byte_length > entry.byte_offset) {
+        fail_overlap(*previous, entry);
+      }
+    }
+    previous = &entry;
+  }
+  if (sorted) return;
+
   std::vector<const ManifestEntry*> by_offset;
   by_offset.reserve(manifest.entries.size());
   for (const auto& entry : manifest.entries) {
     if (entry.byte_length != 0) by_offset.push_back(&entry);
   }
-  // Builders emit entries in offset order; sort only when a producer did not.
-  auto earlier = [](const ManifestEntry* a, const ManifestEntry* b) {
+  std::sort(by_offset.begin(), by_offset.end(), [](const auto* a, const auto* b) {
     return a->byte_offset < b->byte_offset;
-  };
-  if (!std::is_sorted(by_offset.begin(), by_offset.end(), earlier)) {
-    std::sort(by_offset.begin(), by_offset.end(), earlier);
-  }
+  });
   for (std::size_t i = 1; i < by_offset.size(); ++i) {
-    const auto& previous = *by_offset[i - 1];
-    const auto& current = *by_offset[i];
-    if (previous.byte_offset + previous.byte_length > current.byte_offset) {
-      fail(ErrorCode::Overlap, "entry ", Quoted{current.name}, " at bytes [",
-           current.byte_offset, ", ", current.byte_offset + current.byte_length,
-           ") overlaps entry ", Quoted{previous.name}, " at bytes [", previous.byte_offset,
-           ", ", previous.byte_offset + previous.byte_length, ')');
+    if (by_offset[i - 1]->byte_offset + by_offset[i - 1]->byte_length > by_offset[i]->byte_offset) {
+      fail_overlap(*by_offset[i - 1], *by_offset[i]);
     }
   }
 }

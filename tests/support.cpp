@@ -1,5 +1,6 @@
 #include "support.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -17,11 +18,16 @@ std::string random_name(std::mt19937_64& rng, std::size_t index) {
   }
 }
 
-std::vector<std::int64_t> random_shape(std::mt19937_64& rng) {
-  std::vector<std::int64_t> shape(rng() % 5);  // rank 0 is a scalar
+Shape random_shape(std::mt19937_64& rng) {
+  Shape shape;
+  shape.resize(rng() % 5);  // rank 0 is a scalar
   for (auto& dim : shape) dim = static_cast<std::int64_t>(rng() % 8);
   if (!shape.empty() && rng() % 16 == 0) shape[0] = 0;  // an empty tensor
   if (rng() % 64 == 0) shape = {64, 33};                // an occasional larger one
+  if (rng() % 32 == 0) {                                // more dims than Shape keeps inline
+    shape.resize(Shape::kInlineRank + 1 + rng() % 4);
+    std::fill(shape.begin(), shape.end(), 1);
+  }
   return shape;
 }
 

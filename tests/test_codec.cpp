@@ -52,6 +52,31 @@ TEST(Dtype, NamesAndSizesFollowSafetensors) {
   EXPECT_EQ(itemsize(static_cast<DType>(kDTypeCount)), 0u);
 }
 
+TEST(Shape, KeepsFewDimsInlineAndSpillsMany) {
+  Shape small{2, 3};
+  EXPECT_EQ(small.size(), 2u);
+  EXPECT_EQ(small[1], 3);
+  Shape big;
+  big.resize(Shape::kInlineRank + 2);
+  for (std::size_t i = 0; i < big.size(); ++i) big[i] = static_cast<std::int64_t>(i);
+  Shape copy = big;
+  EXPECT_EQ(copy, big);
+  EXPECT_NE(copy, small);
+  big.resize(3);  // back inline, keeping the first dims
+  EXPECT_EQ(big, (Shape{0, 1, 2}));
+  big.resize(5);  // new dims are zero
+  EXPECT_EQ(big, (Shape{0, 1, 2, 0, 0}));
+}
+
+TEST(Shape, MovedFromIsEmpty) {
+  Shape big;
+  big.resize(Shape::kInlineRank + 1);
+  Shape moved = std::move(big);
+  EXPECT_EQ(moved.size(), Shape::kInlineRank + 1);
+  EXPECT_TRUE(big.empty());  // NOLINT(bugprone-use-after-move): the state is specified
+  EXPECT_EQ(big.begin(), big.end());
+}
+
 TEST(Codec, ManifestRoundTripsExactly) {
   auto m = sample_manifest();
   auto bytes = encode_manifest(m);

@@ -139,7 +139,8 @@ TEST(Verify, RejectsShapeWhoseSizeOverflows) {
 
 TEST(Verify, RejectsTooManyDims) {
   Fixture f;
-  f.manifest.entries[0].shape.assign(kMaxRank + 1, 1);
+  f.manifest.entries[0].shape.resize(kMaxRank + 1);
+  std::fill(f.manifest.entries[0].shape.begin(), f.manifest.entries[0].shape.end(), 1);
   expect_error(ErrorCode::BadShape, [&] { verify_manifest(f.manifest, 768); });
 }
 

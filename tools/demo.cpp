@@ -22,7 +22,7 @@ double ms_since(Clock::time_point start) {
 struct Tensor {
   std::string name;
   DType dtype;
-  std::vector<std::int64_t> shape;
+  Shape shape;
   std::vector<std::byte> bytes;
 };
 
@@ -43,7 +43,7 @@ void fill(std::vector<std::byte>& bytes, std::uint64_t state) {
 std::vector<Tensor> make_model(const DemoOptions& options) {
   constexpr std::int64_t kVocab = 4096, kDim = 512, kHidden = 2048;
   std::vector<Tensor> model;
-  auto add = [&](std::string name, DType dtype, std::vector<std::int64_t> shape) {
+  auto add = [&](std::string name, DType dtype, Shape shape) {
     Tensor& t = model.emplace_back(Tensor{std::move(name), dtype, std::move(shape), {}});
     t.bytes.resize(*checked_byte_length(t.dtype, t.shape));
     fill(t.bytes, options.seed * 1000003 + model.size());

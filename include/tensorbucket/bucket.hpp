@@ -65,12 +65,12 @@ class BucketBuilder {
   // Adds an entry whose bytes are copied from `data` when packing. Throws BadName,
   // DuplicateName, UnsupportedDtype, BadShape, or Unmaterialized when `data` is null but the
   // entry has bytes (a meta or undefined tensor). Nothing is added when it throws.
-  BucketBuilder& add(std::string name, DType dtype, std::vector<std::int64_t> shape,
+  BucketBuilder& add(std::string name, DType dtype, Shape shape,
                      const void* data);
 
   // Adds an entry the caller writes in place, through entry_spans(). Same checks as add(),
   // except that it has no data yet.
-  BucketBuilder& declare(std::string name, DType dtype, std::vector<std::int64_t> shape);
+  BucketBuilder& declare(std::string name, DType dtype, Shape shape);
 
   // Declares that the named entries must arrive together. Members may be added before or
   // after; manifest() throws IncompleteGroup while one is missing.
@@ -93,7 +93,7 @@ class BucketBuilder {
   PackedBucket pack(const EncodeOptions& options = {}) const;
 
  private:
-  void append(std::string name, DType dtype, std::vector<std::int64_t> shape);
+  void append(std::string name, DType dtype, Shape shape);
 
   Manifest manifest_;
   std::vector<const std::byte*> sources_;  // per entry; null for declare()d entries
