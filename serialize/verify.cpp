@@ -126,8 +126,10 @@ void check_groups(const Manifest& manifest, const detail::NameIndex& index) {
     fail(ErrorCode::ManifestCorrupt, "manifest has ", manifest.groups.size(),
          " groups; the limit is ", kMaxGroups);
   }
-  // Each entry must be claimed by exactly the group its `group` field names.
-  std::vector<const ManifestGroup*> claimed_by(manifest.entries.size(), nullptr);
+  // Each entry must be claimed by exactly the group its `group` field names. Most buckets
+  // declare no groups; they skip the claim table.
+  std::vector<const ManifestGroup*> claimed_by(manifest.groups.empty() ? 0 : manifest.entries.size(),
+                                               nullptr);
   std::unordered_set<std::string_view> group_names;
   for (std::size_t g = 0; g < manifest.groups.size(); ++g) {
     const auto& group = manifest.groups[g];
@@ -151,7 +153,7 @@ void check_groups(const Manifest& manifest, const detail::NameIndex& index) {
   }
   for (std::size_t i = 0; i < manifest.entries.size(); ++i) {
     const auto& entry = manifest.entries[i];
-    if (!entry.group.empty() && claimed_by[i] == nullptr) {
+    if (!entry.group.empty() && (claimed_by.empty() || claimed_by[i] == nullptr)) {
       fail(ErrorCode::IncompleteGroup, "entry ", Quoted{entry.name}, " declares group ",
            Quoted{entry.group}, " which does not list it");
     }
