@@ -9,7 +9,6 @@
 namespace tensorbucket {
 
 using text::Dims;
-using text::operator<<;
 using text::fail;
 using text::Quoted;
 
@@ -45,8 +44,7 @@ BucketBuilder& BucketBuilder::bucket(std::uint32_t index, std::uint32_t count) {
   return *this;
 }
 
-void BucketBuilder::append(std::string name, DType dtype,
-                                     Shape shape) {
+void BucketBuilder::append(std::string name, DType dtype, Shape shape) {
   detail::check_name(name, manifest_.entries.size(), "entry");
   if (entry_index_.contains(name)) {
     fail(ErrorCode::DuplicateName, "entry name ", Quoted{name}, " was already added");
@@ -82,8 +80,7 @@ BucketBuilder& BucketBuilder::add(std::string name, DType dtype, Shape shape,
   return *this;
 }
 
-BucketBuilder& BucketBuilder::declare(std::string name, DType dtype,
-                                      Shape shape) {
+BucketBuilder& BucketBuilder::declare(std::string name, DType dtype, Shape shape) {
   append(std::move(name), dtype, std::move(shape));
   sources_.push_back(nullptr);
   return *this;

@@ -100,7 +100,7 @@ class Encoder {
 // A block of little-endian 8-byte words inside the input.
 class Words {
  public:
-  explicit Words(const std::byte* at = nullptr) : at_(at) {}
+  explicit Words(const std::byte* at) : at_(at) {}
   std::uint64_t operator[](std::size_t i) const {
     std::uint64_t word;
     std::memcpy(&word, at_ + 8 * i, 8);

@@ -42,7 +42,9 @@ void detail::check_name(std::string_view name, std::size_t position, const char*
 
 std::uint64_t detail::check_tensor(std::string_view name, DType dtype,
                                    std::span<const std::int64_t> shape) {
-  if (!is_known(dtype)) fail(ErrorCode::UnsupportedDtype, "entry ", Quoted{name}, " has unknown ", dtype);
+  if (!is_known(dtype)) {
+    fail(ErrorCode::UnsupportedDtype, "entry ", Quoted{name}, " has unknown ", dtype);
+  }
   if (shape.size() > kMaxRank) {
     fail(ErrorCode::BadShape, "entry ", Quoted{name}, " has ", shape.size(),
          " dims; the limit is ", kMaxRank);
@@ -128,8 +130,8 @@ void check_groups(const Manifest& manifest, const detail::NameIndex& index) {
   }
   // Each entry must be claimed by exactly the group its `group` field names. Most buckets
   // declare no groups; they skip the claim table.
-  std::vector<const ManifestGroup*> claimed_by(manifest.groups.empty() ? 0 : manifest.entries.size(),
-                                               nullptr);
+  std::vector<const ManifestGroup*> claimed_by(
+      manifest.groups.empty() ? 0 : manifest.entries.size(), nullptr);
   std::unordered_set<std::string_view> group_names;
   for (std::size_t g = 0; g < manifest.groups.size(); ++g) {
     const auto& group = manifest.groups[g];
@@ -191,7 +193,11 @@ void verify_manifest(const Manifest& manifest, std::uint64_t payload_bytes) {
 
 void check_expected(const Manifest& actual, const Manifest& expected) {
   detail::NameIndex wanted;
-  wanted.build(expected.entries);
+  if (auto repeated = wanted.build(expected.entries)) {
+    // The index stops at the first repeat, so comparing against it would mislead.
+    fail(ErrorCode::InvalidArgument, "expected manifest lists ",
+         Quoted{expected.entries[*repeated].name}, " twice");
+  }
 
   // One clause per class of problem, each listing every name, like a strict load_state_dict.
   std::ostringstream missing, unexpected, mismatched;

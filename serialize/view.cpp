@@ -48,6 +48,7 @@ TensorView BucketView::operator[](std::size_t index) const {
 }
 
 std::optional<TensorView> BucketView::find(std::string_view name) const {
+  if (!index_) return std::nullopt;  // a moved-from view
   auto found = index_->find(name);
   if (!found) return std::nullopt;
   return (*this)[*found];

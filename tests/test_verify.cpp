@@ -251,6 +251,23 @@ TEST(Verify, ReportsEveryExpectedManifestDifferenceInOneError) {
   }
 }
 
+TEST(Verify, RefusesExpectedManifestThatRepeatsAName) {
+  Fixture f;
+  Manifest expected = f.manifest;
+  expected.entries.push_back(expected.entries[0]);
+  auto message = expect_rejected(ErrorCode::InvalidArgument, f.frame(), f.payload.span(),
+                                 {.expected = &expected});
+  EXPECT_NE(message.find("'w0' twice"), std::string::npos) << message;
+}
+
+TEST(Verify, MovedFromViewFindsNothing) {
+  Fixture f;
+  auto view = BucketView::open(f.frame(), f.payload.span());
+  auto moved = std::move(view);
+  EXPECT_TRUE(moved.find("w0").has_value());
+  EXPECT_FALSE(view.find("w0").has_value());  // NOLINT(bugprone-use-after-move): specified
+}
+
 TEST(Verify, ErrorMessagesEscapeControlBytesInNames) {
   Fixture f;
   f.manifest.entries[0].name = std::string("a\nb", 3);

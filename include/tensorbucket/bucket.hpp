@@ -126,7 +126,7 @@ class BucketView {
   static BucketView open(std::span<const std::byte> frame, std::span<const std::byte> payload,
                          const VerifyOptions& options = {});
 
-  // Move-only: the name index points into this view's own manifest.
+  // Move-only: the name index points into this view's own manifest. A moved-from view is empty.
   BucketView(BucketView&&) noexcept;
   BucketView& operator=(BucketView&&) noexcept;
   BucketView(const BucketView&) = delete;

@@ -147,6 +147,7 @@ void verify_manifest(const Manifest& manifest, std::uint64_t payload_bytes);
 
 // Rule 5: throws one Error(ManifestMismatch) that lists every name of `expected` missing from
 // `actual`, every unexpected name, and every shape and dtype mismatch. Offsets are not compared.
+// InvalidArgument when `expected` lists a name twice.
 void check_expected(const Manifest& actual, const Manifest& expected);
 
 // numel x itemsize of a shape, or nullopt on a negative dim or on overflow past kMaxPayloadBytes.
