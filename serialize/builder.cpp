@@ -129,6 +129,12 @@ void BucketBuilder::pack_into(std::span<std::byte> payload) const {
     fail(ErrorCode::InvalidArgument, "payload buffer has ", payload.size(), " bytes; the bucket needs ",
          payload_bytes_);
   }
+  for (std::size_t i = 0; i < sources_.size(); ++i) {
+    if (sources_[i] == nullptr && manifest_.entries[i].byte_length != 0) {
+      fail(ErrorCode::InvalidArgument, "entry ", Quoted{manifest_.entries[i].name},
+           " was declared for in-place writing; write it through entry_spans() instead");
+    }
+  }
   std::uint64_t written = 0;  // everything before this is packed or zeroed
   for (std::size_t i = 0; i < manifest_.entries.size(); ++i) {
     const auto& entry = manifest_.entries[i];
@@ -156,12 +162,6 @@ std::vector<std::span<std::byte>> BucketBuilder::entry_spans(std::span<std::byte
 
 PackedBucket BucketBuilder::pack(const EncodeOptions& options) const {
   const auto& checked = manifest();
-  for (std::size_t i = 0; i < sources_.size(); ++i) {
-    if (sources_[i] == nullptr && checked.entries[i].byte_length != 0) {
-      fail(ErrorCode::InvalidArgument, "entry ", Quoted{checked.entries[i].name},
-           " was declared for in-place writing; use entry_spans() and encode_frame()");
-    }
-  }
   PackedBucket packed{{}, AlignedBuffer(payload_bytes_)};
   pack_into(packed.payload.span());
   packed.frame = encode_frame(checked, packed.payload.span(), options);

@@ -20,6 +20,13 @@ std::string_view to_string(ErrorCode code) noexcept {
     case ErrorCode::IncompleteGroup: return "IncompleteGroup";
     case ErrorCode::Unmaterialized: return "Unmaterialized";
     case ErrorCode::ManifestMismatch: return "ManifestMismatch";
+    case ErrorCode::Torn: return "Torn";
+    case ErrorCode::ProducerGone: return "ProducerGone";
+    case ErrorCode::ChannelExists: return "ChannelExists";
+    case ErrorCode::ChannelMissing: return "ChannelMissing";
+    case ErrorCode::PermissionDenied: return "PermissionDenied";
+    case ErrorCode::ChannelFull: return "ChannelFull";
+    case ErrorCode::SystemError: return "SystemError";
   }
   return "Unknown";
 }

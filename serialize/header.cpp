@@ -16,18 +16,23 @@ std::uint64_t xxh3(std::span<const std::byte> bytes) noexcept {
   return XXH3_64bits(bytes.data(), bytes.size());
 }
 
-std::vector<std::byte> encode_frame(const Manifest& manifest, std::span<const std::byte> payload,
-                                    const EncodeOptions& options) {
-  auto manifest_bytes = encode_manifest(manifest);
+BucketHeader make_header(std::span<const std::byte> encoded_manifest,
+                         std::span<const std::byte> payload, const EncodeOptions& options) {
   BucketHeader header{};
   header.magic = kHeaderMagic;
   header.layout_version = kHeaderLayoutVersion;
   header.flags = options.payload_checksum ? kPayloadChecksum : 0;
-  header.manifest_bytes = manifest_bytes.size();
-  header.manifest_xxh3 = xxh3(manifest_bytes);
+  header.manifest_bytes = encoded_manifest.size();
+  header.manifest_xxh3 = xxh3(encoded_manifest);
   header.payload_bytes = payload.size();
   header.payload_xxh3 = options.payload_checksum ? xxh3(payload) : 0;
+  return header;
+}
 
+std::vector<std::byte> encode_frame(const Manifest& manifest, std::span<const std::byte> payload,
+                                    const EncodeOptions& options) {
+  auto manifest_bytes = encode_manifest(manifest);
+  auto header = make_header(manifest_bytes, payload, options);
   std::vector<std::byte> frame(sizeof header + manifest_bytes.size());
   std::memcpy(frame.data(), &header, sizeof header);
   std::memcpy(frame.data() + sizeof header, manifest_bytes.data(), manifest_bytes.size());

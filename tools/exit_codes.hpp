@@ -32,7 +32,14 @@ constexpr int exit_code_for(ErrorCode code) {
     case ErrorCode::DuplicateName:
     case ErrorCode::IncompleteGroup:
     case ErrorCode::Unmaterialized:
-    case ErrorCode::ManifestMismatch: return kVerificationFailed;
+    case ErrorCode::ManifestMismatch:
+    case ErrorCode::Torn: return kVerificationFailed;
+    case ErrorCode::ProducerGone: return kProducerGone;
+    case ErrorCode::ChannelExists:
+    case ErrorCode::ChannelMissing:
+    case ErrorCode::PermissionDenied: return kChannelUnavailable;
+    case ErrorCode::ChannelFull:
+    case ErrorCode::SystemError: return kOtherError;
   }
   return kOtherError;
 }

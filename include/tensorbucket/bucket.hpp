@@ -82,14 +82,14 @@ class BucketBuilder {
   // The manifest so far. Throws IncompleteGroup when a declared group lacks a member.
   const Manifest& manifest() const;
 
-  // Copies every add()ed entry into `payload` and zeroes the padding between entries;
-  // declare()d entries are left for the caller. InvalidArgument if `payload` is too small.
+  // Copies every entry into `payload` and zeroes the padding between entries. InvalidArgument
+  // if `payload` is too small or an entry was declare()d (those are written in place).
   void pack_into(std::span<std::byte> payload) const;
 
   // Writable spans into `payload`, one per entry in manifest order, for in-place producers.
   std::vector<std::span<std::byte>> entry_spans(std::span<std::byte> payload) const;
 
-  // Packs into a new buffer and encodes the frame. InvalidArgument if an entry was declare()d.
+  // Packs into a new buffer and encodes the frame. Same refusals as pack_into().
   PackedBucket pack(const EncodeOptions& options = {}) const;
 
  private:

@@ -31,6 +31,13 @@ enum class ErrorCode : std::uint8_t {
   IncompleteGroup,      // a declared group lacks a member, or an entry names a group it is not in
   Unmaterialized,       // an entry has a size but no data (a meta / undefined tensor)
   ManifestMismatch,     // the bucket differs from the consumer's expected manifest
+  Torn,                 // the producer rewrote a slot while it was being read
+  ProducerGone,         // the producer closed or died and every published bucket was consumed
+  ChannelExists,        // a live producer already owns the channel name
+  ChannelMissing,       // no channel of that name appeared in time
+  PermissionDenied,     // the channel belongs to another user, or its mode forbids access
+  ChannelFull,          // every consumer record of the channel is taken
+  SystemError,          // the operating system refused (shared memory, mapping, futex)
 };
 
 // The enumerator's name, e.g. "ChecksumMismatch".

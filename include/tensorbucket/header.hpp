@@ -47,6 +47,11 @@ struct EncodeOptions {
   bool payload_checksum = false;  // hash the payload (costs one pass over it)
 };
 
+// The header binding `encoded_manifest` (from encode_manifest) to `payload`, whose size becomes
+// header.payload_bytes. For producers that place the frame themselves (shared memory).
+BucketHeader make_header(std::span<const std::byte> encoded_manifest,
+                         std::span<const std::byte> payload, const EncodeOptions& options = {});
+
 // Header + encoded manifest for `payload`, whose size becomes header.payload_bytes.
 std::vector<std::byte> encode_frame(const Manifest& manifest, std::span<const std::byte> payload,
                                     const EncodeOptions& options = {});

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "tensorbucket/bucket.hpp"
+#include "tensorbucket/channel.hpp"
 #include "tensorbucket/dtype.hpp"
 #include "tensorbucket/error.hpp"
 #include "tensorbucket/header.hpp"

@@ -1,0 +1,155 @@
+// A channel: one producer process publishes buckets, up to max_consumers processes receive
+// them as verified zero-copy views, through POSIX shared memory on one host.
+//
+// Semantics (docs/channel.md has the protocol and every crash case):
+// - Ordered and lossless: each registered consumer sees every bucket in order. Bucket b goes
+//   to slot b % slots; a slot is reused only after every live consumer has released it and at
+//   least min_consumers have. Publishing waits (bounded) for a free slot.
+// - A consumer that attaches late starts from the oldest bucket still held in a slot, so a
+//   producer may start first: with K slots it blocks after K buckets until a consumer comes.
+// - Producer gone (closed or dead): consumers drain what was published, then next() throws
+//   ProducerGone. Consumer gone: the producer frees its leases the next time it waits.
+// - Segments are created O_EXCL with `mode` (0600 by default), opened only when owned by our
+//   uid, and removed by close(); a dead producer's segments are removed by the next producer
+//   of the same channel name, while a live producer's channel gives ChannelExists.
+//
+// Thread safety: a Publisher or Subscriber is used by one thread at a time; a ReceivedBucket
+// may be read from many threads and released from any. Each is a per-process handle.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tensorbucket/bucket.hpp"
+
+namespace tensorbucket {
+namespace detail {
+struct PublisherState;
+struct SubscriberState;
+struct Lease;
+}  // namespace detail
+
+struct PublisherOptions {
+  std::uint32_t slots = 2;          // 1..16 buckets in flight (2: double buffering)
+  std::uint32_t max_consumers = 8;  // 1..64 consumer records
+  std::uint32_t min_consumers = 1;  // releases each bucket needs before its slot is reused
+  std::uint32_t mode = 0600;        // permission bits of every segment
+  bool payload_checksum = false;    // hash every payload (one extra pass on each side)
+};
+
+class Reservation;
+
+class Publisher {
+ public:
+  // Creates the channel. InvalidArgument for a bad name or options, ChannelExists when a live
+  // producer owns the name (a dead one's leftovers are removed first).
+  static Publisher create(std::string_view channel, const PublisherOptions& options = {});
+
+  Publisher(Publisher&&) noexcept;
+  Publisher& operator=(Publisher&&) noexcept;
+  ~Publisher();  // close()
+
+  // Copies `bucket` into the next slot and publishes it. False when no slot came free within
+  // `timeout`; then nothing was published.
+  bool publish(const BucketBuilder& bucket, std::chrono::milliseconds timeout);
+
+  // The in-place path: the next slot laid out like `layout` (its declare()d entries), for the
+  // caller to write through Reservation::entry_spans() and publish with commit(). nullopt on
+  // timeout. Publish nothing else while a reservation is open.
+  std::optional<Reservation> reserve(const BucketBuilder& layout, std::chrono::milliseconds timeout);
+
+  // Waits until every live consumer released every published bucket (and min_consumers did).
+  // False on timeout.
+  bool drain(std::chrono::milliseconds timeout);
+
+  // Marks the channel closed, wakes consumers and removes every segment. Idempotent.
+  void close() noexcept;
+
+  std::uint64_t published() const noexcept;
+  const std::string& channel() const noexcept;
+
+ private:
+  explicit Publisher(std::unique_ptr<detail::PublisherState> state);
+  std::unique_ptr<detail::PublisherState> state_;
+};
+
+// A slot held for in-place writing. Abandoned (the slot left empty, nothing published) when
+// destroyed without commit().
+class Reservation {
+ public:
+  Reservation(Reservation&&) noexcept;
+  Reservation& operator=(Reservation&&) = delete;
+  ~Reservation();
+
+  // Writable spans into shared memory, one per entry of the layout, in its order.
+  std::span<const std::span<std::byte>> entry_spans() const noexcept { return spans_; }
+
+  // Publishes what was written. InvalidArgument when called twice.
+  void commit();
+
+ private:
+  friend class Publisher;
+  Reservation(detail::PublisherState* state, std::vector<std::byte> manifest_bytes,
+              std::uint64_t payload_bytes, std::vector<std::span<std::byte>> spans);
+  detail::PublisherState* state_;  // null once committed or moved from
+  std::vector<std::byte> manifest_bytes_;
+  std::uint64_t payload_bytes_;
+  std::vector<std::span<std::byte>> spans_;
+};
+
+// A received, verified bucket. Holds its lease: the slot is not reused while this object (or
+// anything moved from it) lives. The views point into shared memory, valid as long as it lives.
+class ReceivedBucket {
+ public:
+  ReceivedBucket(ReceivedBucket&&) noexcept;
+  ReceivedBucket& operator=(ReceivedBucket&&) noexcept;
+  ~ReceivedBucket();  // release()
+
+  const BucketView& view() const noexcept { return view_; }
+  std::uint64_t sequence() const noexcept { return sequence_; }  // 0-based place in the channel
+  std::uint64_t publish_start_ns() const noexcept { return publish_start_ns_; }  // CLOCK_MONOTONIC
+
+  // Gives the slot back early. The views must not be used afterwards.
+  void release() noexcept;
+
+ private:
+  friend class Subscriber;
+  ReceivedBucket(BucketView view, std::uint64_t sequence, std::uint64_t publish_start_ns,
+                 std::unique_ptr<detail::Lease> lease);
+  BucketView view_;
+  std::uint64_t sequence_;
+  std::uint64_t publish_start_ns_;
+  std::unique_ptr<detail::Lease> lease_;
+};
+
+class Subscriber {
+ public:
+  // Attaches, waiting up to `timeout` for the channel to appear. ChannelMissing when it does
+  // not, PermissionDenied when it is not ours, ChannelFull when every consumer record is taken.
+  static Subscriber attach(std::string_view channel, std::chrono::milliseconds timeout);
+
+  Subscriber(Subscriber&&) noexcept;
+  Subscriber& operator=(Subscriber&&) noexcept;
+  ~Subscriber();  // detaches once every ReceivedBucket from it is gone
+
+  // The next bucket in order, verified (docs/format.md rules 1-6); nullopt when none arrived
+  // within `timeout`. Throws ProducerGone once the producer is gone and everything published
+  // was received, and the verification errors for a bad bucket (which is then skipped).
+  std::optional<ReceivedBucket> next(std::chrono::milliseconds timeout,
+                                     const VerifyOptions& options = {});
+  std::optional<ReceivedBucket> try_next(const VerifyOptions& options = {});
+
+  const std::string& channel() const noexcept;
+
+ private:
+  explicit Subscriber(std::shared_ptr<detail::SubscriberState> state);
+  std::shared_ptr<detail::SubscriberState> state_;
+};
+
+}  // namespace tensorbucket

@@ -1,0 +1,367 @@
+// The producer side of a channel. See ipc/control.hpp for the protocol and docs/channel.md
+// for the crash cases.
+#include <algorithm>
+#include <cstring>
+#include <optional>
+
+#include "control.hpp"
+#include "futex.hpp"
+#include "segment.hpp"
+#include "serialize/text.hpp"
+#include "tensorbucket/channel.hpp"
+
+namespace tensorbucket {
+
+using text::fail;
+using text::Quoted;
+
+namespace {
+
+constexpr std::uint64_t kPageBytes = 4096;
+constexpr std::uint64_t kMinFrameCapacity = 64 * 1024;
+// Longest single futex sleep, so liveness and deadlines are rechecked that often.
+constexpr auto kWaitSlice = std::chrono::milliseconds(10);
+
+std::uint64_t round_up(std::uint64_t bytes, std::uint64_t to) { return (bytes + to - 1) / to * to; }
+
+using Clock = std::chrono::steady_clock;
+
+}  // namespace
+
+struct detail::PublisherState {
+  std::string channel;
+  PublisherOptions options;
+  ipc::Segment control_segment;
+  ipc::ControlBlock* control;
+  std::vector<std::optional<ipc::Segment>> slot_segments;
+  std::vector<std::uint64_t> slot_generation;  // what this producer last stored per slot
+  std::uint64_t published = 0;
+  bool reservation_open = false;
+  bool closed = false;
+
+  PublisherState(std::string name, const PublisherOptions& opts, ipc::Segment segment)
+      : channel(std::move(name)),
+        options(opts),
+        control_segment(std::move(segment)),
+        control(reinterpret_cast<ipc::ControlBlock*>(control_segment.data())),
+        slot_segments(opts.slots),
+        slot_generation(opts.slots, 0) {}
+
+  ipc::SlotControl& slot(std::uint32_t s) { return control->slots[s]; }
+
+  void reclaim(ipc::ConsumerRecord& record) {
+    ipc::atomic(record.held_slots).store(0, std::memory_order_seq_cst);
+    ipc::atomic(record.state).store(ipc::kFree, std::memory_order_release);
+  }
+
+  // True when no live consumer still needs `bucket` in slot `s`. Dead consumers met on the
+  // way are reclaimed: checking liveness only for consumers that block keeps the fast path
+  // free of /proc reads.
+  bool slot_releasable(std::uint32_t s, std::uint64_t bucket) {
+    if (ipc::atomic(slot(s).release_count).load(std::memory_order_acquire) <
+        options.min_consumers) {
+      return false;
+    }
+    for (std::uint32_t r = 0; r < options.max_consumers; ++r) {
+      auto& record = control->consumers[r];
+      auto state = ipc::atomic(record.state).load(std::memory_order_seq_cst);
+      if (state == ipc::kFree) continue;
+      bool blocks = state == ipc::kClaimed ||
+                    ipc::atomic(record.next_bucket).load(std::memory_order_seq_cst) <= bucket ||
+                    (ipc::atomic(record.held_slots).load(std::memory_order_seq_cst) & (1u << s));
+      if (!blocks) continue;
+      ipc::ProcessId process{ipc::atomic(record.process.pid).load(std::memory_order_relaxed), 0,
+                             ipc::atomic(record.process.start_time).load(std::memory_order_relaxed)};
+      // A claimed record without a pid is a consumer between its two attach steps.
+      if (process.pid != 0 && !ipc::is_alive(process)) {
+        reclaim(record);
+        continue;
+      }
+      return false;
+    }
+    return true;
+  }
+
+  // Makes slot `bucket % slots` ours (generation odd), waiting until its old bucket is
+  // releasable. False at the deadline.
+  bool claim(std::uint64_t bucket, Clock::time_point deadline) {
+    auto s = static_cast<std::uint32_t>(bucket % options.slots);
+    auto current = slot_generation[s];
+    auto& generation = slot(s).generation;
+    for (;;) {
+      auto wake = ipc::atomic(control->producer_wake).load(std::memory_order_acquire);
+      if (current == 0 || slot_releasable(s, current / 2 - 1)) {
+        // Claim, then look again: a consumer may have taken a lease between the two. It sets
+        // its bit then reads the generation; we write the generation then read the bits.
+        ipc::atomic(generation).store(current + 1, std::memory_order_seq_cst);
+        if (current == 0 || slot_releasable(s, current / 2 - 1)) {
+          ipc::atomic(slot(s).release_count).store(0, std::memory_order_relaxed);
+          return true;
+        }
+        ipc::atomic(generation).store(current, std::memory_order_seq_cst);
+        ipc::futex_bump_and_wake(&control->consumer_wake);
+      }
+      auto now = Clock::now();
+      if (now >= deadline) return false;
+      ipc::futex_wait(&control->producer_wake, wake,
+                      std::min<Clock::duration>(deadline - now, kWaitSlice));
+    }
+  }
+
+  // The slot's segment, grown (as a new segment under the next epoch) when it cannot hold
+  // `payload_bytes` + `frame_bytes`. Only called while the slot is claimed.
+  ipc::Segment& segment_for(std::uint32_t s, std::uint64_t payload_bytes, std::uint64_t frame_bytes) {
+    auto& control_slot = slot(s);
+    auto& segment = slot_segments[s];
+    auto payload_capacity = control_slot.payload_capacity;
+    auto frame_capacity = control_slot.segment_bytes - payload_capacity;
+    if (segment && payload_bytes <= payload_capacity && frame_bytes <= frame_capacity) {
+      return *segment;
+    }
+    payload_capacity = round_up(std::max(payload_bytes, payload_capacity), kPageBytes);
+    frame_capacity = round_up(std::max({frame_bytes, frame_capacity, kMinFrameCapacity}), kPageBytes);
+    auto old_epoch = control_slot.segment_epoch;
+    auto epoch = old_epoch + 1;
+    auto grown = ipc::Segment::create(ipc::slot_segment_name(channel, s, epoch),
+                                      payload_capacity + frame_capacity, options.mode);
+    control_slot.segment_epoch = epoch;
+    control_slot.segment_bytes = payload_capacity + frame_capacity;
+    control_slot.payload_capacity = payload_capacity;
+    if (old_epoch != 0) ipc::Segment::remove(ipc::slot_segment_name(channel, s, old_epoch));
+    segment = std::move(grown);
+    return *segment;
+  }
+
+  // Writes the frame after the payload and publishes the claimed slot.
+  void finish(std::uint64_t bucket, std::span<const std::byte> manifest_bytes,
+              std::uint64_t payload_bytes) {
+    auto s = static_cast<std::uint32_t>(bucket % options.slots);
+    auto& control_slot = slot(s);
+    auto* base = slot_segments[s]->data();
+    auto header = make_header(manifest_bytes, {base, payload_bytes},
+                              {.payload_checksum = options.payload_checksum});
+    auto* frame = base + control_slot.payload_capacity;
+    std::memcpy(frame, &header, sizeof header);
+    std::memcpy(frame + sizeof header, manifest_bytes.data(), manifest_bytes.size());
+    control_slot.frame_bytes = sizeof header + manifest_bytes.size();
+
+    // Release: the bytes and slot fields above are visible to a consumer that sees this value.
+    slot_generation[s] = 2 * (bucket + 1);
+    ipc::atomic(control_slot.generation).store(slot_generation[s], std::memory_order_release);
+    published = bucket + 1;
+    ipc::atomic(control->published).store(published, std::memory_order_release);
+    ipc::futex_bump_and_wake(&control->consumer_wake);
+  }
+
+  // Leaves a claimed slot empty: its old bucket was releasable, its new one never came.
+  void abandon(std::uint64_t bucket) noexcept {
+    auto s = static_cast<std::uint32_t>(bucket % options.slots);
+    slot_generation[s] = 0;
+    ipc::atomic(slot(s).generation).store(0, std::memory_order_release);
+    ipc::futex_bump_and_wake(&control->consumer_wake);
+  }
+
+  // Claims the next slot and sizes its segment; false on timeout.
+  std::optional<std::byte*> begin(std::uint64_t payload_bytes, std::uint64_t frame_bytes,
+                                  std::chrono::milliseconds timeout) {
+    if (closed) fail(ErrorCode::InvalidArgument, "channel ", Quoted{channel}, " is closed");
+    if (reservation_open) {
+      fail(ErrorCode::InvalidArgument, "channel ", Quoted{channel},
+           " has an open reservation; commit or drop it first");
+    }
+    auto start_ns = ipc::monotonic_ns();
+    if (!claim(published, Clock::now() + timeout)) return std::nullopt;
+    auto s = static_cast<std::uint32_t>(published % options.slots);
+    try {
+      slot(s).publish_start_ns = start_ns;
+      return segment_for(s, payload_bytes, frame_bytes).data();
+    } catch (...) {
+      abandon(published);
+      throw;
+    }
+  }
+
+  void remove_segments() noexcept {
+    for (std::uint32_t s = 0; s < options.slots; ++s) {
+      if (auto epoch = slot(s).segment_epoch) {
+        ipc::Segment::remove(ipc::slot_segment_name(channel, s, epoch));
+      }
+    }
+    ipc::Segment::remove(ipc::control_segment_name(channel));
+  }
+};
+
+namespace {
+
+// Removes what a dead producer left under `channel`. ChannelExists if its producer lives.
+void remove_stale_channel(std::string_view channel) {
+  auto name = ipc::control_segment_name(channel);
+  auto segment = ipc::Segment::open(name, 0, false);
+  if (!segment) return;
+  if (segment->size() >= sizeof(ipc::ControlBlock)) {
+    auto* control = reinterpret_cast<ipc::ControlBlock*>(segment->data());
+    ipc::ProcessId producer{ipc::atomic(control->producer.pid).load(std::memory_order_acquire), 0,
+                            ipc::atomic(control->producer.start_time).load(std::memory_order_acquire)};
+    if (ipc::is_alive(producer)) {
+      fail(ErrorCode::ChannelExists, "channel ", Quoted{channel}, " is owned by live process ",
+           producer.pid);
+    }
+    // The dead producer may have died growing a slot, between creating one epoch and
+    // unlinking the previous: remove the neighbours too.
+    auto slots = std::min<std::uint32_t>(control->slot_count, ipc::kMaxSlots);
+    for (std::uint32_t s = 0; s < slots; ++s) {
+      auto epoch = ipc::atomic(control->slots[s].segment_epoch).load(std::memory_order_relaxed);
+      for (auto e : {epoch - 1, epoch, epoch + 1}) {
+        if (e != 0) ipc::Segment::remove(ipc::slot_segment_name(channel, s, e));
+      }
+    }
+  }
+  ipc::Segment::remove(name);
+}
+
+void validate(const PublisherOptions& options) {
+  if (options.slots < 1 || options.slots > ipc::kMaxSlots) {
+    fail(ErrorCode::InvalidArgument, "slots must be 1..", ipc::kMaxSlots, ", not ", options.slots);
+  }
+  if (options.max_consumers < 1 || options.max_consumers > ipc::kMaxConsumers) {
+    fail(ErrorCode::InvalidArgument, "max_consumers must be 1..", ipc::kMaxConsumers, ", not ",
+         options.max_consumers);
+  }
+  if (options.min_consumers > options.max_consumers) {
+    fail(ErrorCode::InvalidArgument, "min_consumers ", options.min_consumers,
+         " exceeds max_consumers ", options.max_consumers);
+  }
+  if (options.mode > 0777 || (options.mode & 0600) != 0600) {
+    fail(ErrorCode::InvalidArgument, "mode 0", std::oct, options.mode,
+         " must be permission bits that let the owner read and write");
+  }
+}
+
+}  // namespace
+
+Publisher Publisher::create(std::string_view channel, const PublisherOptions& options) {
+  ipc::validate_channel_name(channel);
+  validate(options);
+  auto name = ipc::control_segment_name(channel);
+  auto segment = [&] {
+    try {
+      return ipc::Segment::create(name, sizeof(ipc::ControlBlock), options.mode);
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::ChannelExists) throw;
+      remove_stale_channel(channel);
+      return ipc::Segment::create(name, sizeof(ipc::ControlBlock), options.mode);
+    }
+  }();
+  auto* control = reinterpret_cast<ipc::ControlBlock*>(segment.data());
+  control->layout_version = ipc::kControlLayoutVersion;
+  control->slot_count = static_cast<std::uint16_t>(options.slots);
+  control->max_consumers = options.max_consumers;
+  control->min_consumers = options.min_consumers;
+  control->payload_checksum = options.payload_checksum;
+  auto self = ipc::current_process();
+  ipc::atomic(control->producer.start_time).store(self.start_time, std::memory_order_relaxed);
+  ipc::atomic(control->producer.pid).store(self.pid, std::memory_order_release);
+  // Release: a consumer that reads the magic sees every field above.
+  ipc::atomic(control->magic).store(ipc::kControlMagic, std::memory_order_release);
+  return Publisher(std::make_unique<detail::PublisherState>(std::string(channel), options,
+                                                             std::move(segment)));
+}
+
+Publisher::Publisher(std::unique_ptr<detail::PublisherState> state) : state_(std::move(state)) {}
+Publisher::Publisher(Publisher&&) noexcept = default;
+Publisher& Publisher::operator=(Publisher&& other) noexcept {
+  if (this != &other) {
+    close();
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+Publisher::~Publisher() { close(); }
+
+bool Publisher::publish(const BucketBuilder& bucket, std::chrono::milliseconds timeout) {
+  const auto& manifest = bucket.manifest();  // refuses incomplete groups before any claim
+  auto manifest_bytes = encode_manifest(manifest);
+  auto payload_bytes = bucket.payload_bytes();
+  auto base = state_->begin(payload_bytes, sizeof(BucketHeader) + manifest_bytes.size(), timeout);
+  if (!base) return false;
+  try {
+    bucket.pack_into({*base, payload_bytes});
+  } catch (...) {
+    state_->abandon(state_->published);
+    throw;
+  }
+  state_->finish(state_->published, manifest_bytes, payload_bytes);
+  return true;
+}
+
+std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
+                                              std::chrono::milliseconds timeout) {
+  auto manifest_bytes = encode_manifest(layout.manifest());
+  auto payload_bytes = layout.payload_bytes();
+  auto base = state_->begin(payload_bytes, sizeof(BucketHeader) + manifest_bytes.size(), timeout);
+  if (!base) return std::nullopt;
+  std::span<std::byte> payload{*base, payload_bytes};
+  // Zero the padding (and whatever the caller leaves unwritten) so no bytes of an older
+  // bucket travel with this one.
+  std::memset(payload.data(), 0, payload.size());
+  state_->reservation_open = true;
+  return Reservation(state_.get(), std::move(manifest_bytes), payload_bytes,
+                     layout.entry_spans(payload));
+}
+
+bool Publisher::drain(std::chrono::milliseconds timeout) {
+  auto deadline = Clock::now() + timeout;
+  auto& state = *state_;
+  for (;;) {
+    auto wake = ipc::atomic(state.control->producer_wake).load(std::memory_order_acquire);
+    bool drained = true;
+    for (std::uint32_t s = 0; s < state.options.slots && drained; ++s) {
+      auto generation = state.slot_generation[s];
+      drained = generation == 0 || state.slot_releasable(s, generation / 2 - 1);
+    }
+    if (drained) return true;
+    auto now = Clock::now();
+    if (now >= deadline) return false;
+    ipc::futex_wait(&state.control->producer_wake, wake,
+                    std::min<Clock::duration>(deadline - now, kWaitSlice));
+  }
+}
+
+void Publisher::close() noexcept {
+  if (!state_ || state_->closed) return;
+  state_->closed = true;
+  ipc::atomic(state_->control->closed).store(1, std::memory_order_release);
+  ipc::futex_bump_and_wake(&state_->control->consumer_wake);
+  state_->remove_segments();
+}
+
+std::uint64_t Publisher::published() const noexcept { return state_->published; }
+const std::string& Publisher::channel() const noexcept { return state_->channel; }
+
+Reservation::Reservation(detail::PublisherState* state, std::vector<std::byte> manifest_bytes,
+                         std::uint64_t payload_bytes, std::vector<std::span<std::byte>> spans)
+    : state_(state),
+      manifest_bytes_(std::move(manifest_bytes)),
+      payload_bytes_(payload_bytes),
+      spans_(std::move(spans)) {}
+
+Reservation::Reservation(Reservation&& other) noexcept
+    : state_(std::exchange(other.state_, nullptr)),
+      manifest_bytes_(std::move(other.manifest_bytes_)),
+      payload_bytes_(other.payload_bytes_),
+      spans_(std::move(other.spans_)) {}
+
+Reservation::~Reservation() {
+  if (state_ == nullptr) return;
+  state_->reservation_open = false;
+  state_->abandon(state_->published);
+}
+
+void Reservation::commit() {
+  if (state_ == nullptr) fail(ErrorCode::InvalidArgument, "reservation was already committed");
+  auto* state = std::exchange(state_, nullptr);
+  state->reservation_open = false;
+  state->finish(state->published, manifest_bytes_, payload_bytes_);
+}
+
+}  // namespace tensorbucket

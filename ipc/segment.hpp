@@ -1,0 +1,39 @@
+// Internal: one mapped POSIX shared-memory object, through Boost.Interprocess.
+#pragma once
+
+#include <sys/types.h>
+
+#include <boost/interprocess/mapped_region.hpp>
+
+#include <cstddef>
+#include <optional>
+#include <span>
+#include <string>
+
+namespace tensorbucket::ipc {
+
+class Segment {
+ public:
+  // Creates `name` exclusively (O_EXCL) with `mode` and `bytes` (zero-filled), mapped
+  // read-write. ChannelExists when the name is taken, SystemError otherwise.
+  static Segment create(const std::string& name, std::size_t bytes, mode_t mode);
+
+  // Maps an existing `name`; nullopt when it does not exist. PermissionDenied when another
+  // user owns it or its mode forbids us; SystemError when it is smaller than `min_bytes`
+  // (checked with fstat before mapping, so a shrunk object cannot turn reads into SIGBUS).
+  static std::optional<Segment> open(const std::string& name, std::size_t min_bytes,
+                                     bool writable);
+
+  // Unlinks `name`; mappings stay valid until unmapped. Missing names are ignored.
+  static void remove(const std::string& name) noexcept;
+
+  std::byte* data() const noexcept { return static_cast<std::byte*>(region_.get_address()); }
+  std::size_t size() const noexcept { return region_.get_size(); }
+  std::span<std::byte> bytes() const noexcept { return {data(), size()}; }
+
+ private:
+  explicit Segment(boost::interprocess::mapped_region region) : region_(std::move(region)) {}
+  boost::interprocess::mapped_region region_;
+};
+
+}  // namespace tensorbucket::ipc

@@ -1,0 +1,363 @@
+// The shared-memory channel, with peers as real processes (fork), and what must hold when one
+// of them is killed. Every test checks that none of its segments is left in /dev/shm.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <random>
+#include <thread>
+
+#include "../tools/workload.hpp"
+#include "support.hpp"
+
+namespace tensorbucket {
+namespace {
+
+using namespace std::chrono_literals;
+using cli::Workload;
+using test::expect_error;
+
+// A forked process running `body`; its return value is the exit status.
+class Child {
+ public:
+  explicit Child(const std::function<int()>& body) {
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      int status = 1;
+      try {
+        status = body();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "child %d: %s\n", ::getpid(), e.what());
+      }
+      std::fflush(nullptr);
+      ::_exit(status);
+    }
+  }
+  ~Child() {
+    if (pid_ > 0 && !waited_) kill_now();
+  }
+  void kill_now() {
+    ::kill(pid_, SIGKILL);
+    wait();
+  }
+  // The exit status, or -signal; gives up (killing the child) after `timeout`.
+  int wait(std::chrono::milliseconds timeout = 60s) {
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    int status = 0;
+    while (::waitpid(pid_, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        ::kill(pid_, SIGKILL);
+        ::waitpid(pid_, &status, 0);
+        waited_ = true;
+        ADD_FAILURE() << "child " << pid_ << " did not finish in time";
+        return -SIGKILL;
+      }
+      std::this_thread::sleep_for(1ms);
+    }
+    waited_ = true;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+  }
+  pid_t pid() const { return pid_; }
+
+ private:
+  pid_t pid_ = -1;
+  bool waited_ = false;
+};
+
+std::vector<std::string> segments_of(const std::string& channel) {
+  std::vector<std::string> found;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+    auto name = entry.path().filename().string();
+    if (name == "tensorbucket." + channel || name.starts_with("tensorbucket." + channel + ".slot")) {
+      found.push_back(name);
+    }
+  }
+  return found;
+}
+
+class Channel : public ::testing::Test {
+ protected:
+  std::string channel = "tbtest-" + std::to_string(::getpid()) + "-" +
+                        ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  void TearDown() override { EXPECT_EQ(segments_of(channel), std::vector<std::string>{}); }
+};
+
+// Receives `buckets` buckets in order, checking every byte; the exit status says how it went.
+int consume(const std::string& channel, const Workload& workload, std::uint64_t buckets,
+            std::chrono::milliseconds pause = 0ms) {
+  auto subscriber = Subscriber::attach(channel, 10s);
+  for (std::uint64_t i = 0; i < buckets; ++i) {
+    auto bucket = subscriber.next(10s);
+    if (!bucket) return 3;
+    if (bucket->sequence() != i) return 4;
+    if (!cli::check_bucket(bucket->view(), workload, i).empty()) return 5;
+    if (pause > 0ms) std::this_thread::sleep_for(pause);
+  }
+  return 0;
+}
+
+TEST_F(Channel, DeliversEveryBucketInOrderToTwoConsumers) {
+  Workload workload{.buckets = 1000, .tensors = 8, .tensor_bytes = 512, .seed = 3};
+  auto publisher = Publisher::create(channel, {.min_consumers = 2});
+  Child first([&] { return consume(channel, workload, workload.buckets); });
+  Child second([&] { return consume(channel, workload, workload.buckets); });
+  for (std::uint64_t i = 0; i < workload.buckets; ++i) {
+    auto bucket = cli::make_bucket(workload, i);
+    ASSERT_TRUE(publisher.publish(bucket.builder, 10s)) << "bucket " << i;
+  }
+  EXPECT_TRUE(publisher.drain(10s));
+  EXPECT_EQ(first.wait(), 0);
+  EXPECT_EQ(second.wait(), 0);
+}
+
+TEST_F(Channel, OneSlotAppliesBackpressureWithoutLoss) {
+  Workload workload{.buckets = 40, .tensors = 4, .tensor_bytes = 256};
+  auto publisher = Publisher::create(channel, {.slots = 1});
+  Child consumer([&] { return consume(channel, workload, workload.buckets, 1ms); });
+  for (std::uint64_t i = 0; i < workload.buckets; ++i) {
+    ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, i).builder, 10s));
+  }
+  EXPECT_EQ(consumer.wait(), 0);
+}
+
+TEST_F(Channel, PublishTimesOutWhileNoSlotIsFree) {
+  Workload workload{.tensors = 2, .tensor_bytes = 64};
+  auto publisher = Publisher::create(channel, {.slots = 1});
+  ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 1s));
+  EXPECT_FALSE(publisher.publish(cli::make_bucket(workload, 1).builder, 50ms));
+  EXPECT_EQ(publisher.published(), 1u);
+}
+
+TEST_F(Channel, LateConsumerStartsFromOldestHeldBucket) {
+  Workload workload{.buckets = 3, .tensors = 2, .tensor_bytes = 64};
+  auto publisher = Publisher::create(channel, {.slots = 2});
+  ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 1s));
+  ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 1).builder, 1s));
+  ASSERT_FALSE(publisher.publish(cli::make_bucket(workload, 2).builder, 20ms));
+  Child consumer([&] { return consume(channel, workload, 3); });
+  EXPECT_TRUE(publisher.publish(cli::make_bucket(workload, 2).builder, 10s));
+  EXPECT_EQ(consumer.wait(), 0);
+}
+
+TEST_F(Channel, InPlaceReservationPublishesWhatWasWritten) {
+  Workload workload{.buckets = 4, .tensors = 5, .tensor_bytes = 1000};
+  auto publisher = Publisher::create(channel);
+  Child consumer([&] { return consume(channel, workload, workload.buckets); });
+  for (std::uint64_t i = 0; i < workload.buckets; ++i) {
+    auto reservation = publisher.reserve(cli::make_layout(workload, i), 10s);
+    ASSERT_TRUE(reservation.has_value());
+    for (std::uint32_t t = 0; t < workload.tensors; ++t) {
+      cli::fill_tensor(reservation->entry_spans()[t], workload, i, t);
+    }
+    reservation->commit();
+  }
+  EXPECT_EQ(consumer.wait(), 0);
+}
+
+TEST_F(Channel, AbandonedReservationPublishesNothing) {
+  Workload workload{.buckets = 2, .tensors = 2, .tensor_bytes = 64};
+  auto publisher = Publisher::create(channel);
+  {
+    auto reservation = publisher.reserve(cli::make_layout(workload, 0), 1s);
+    ASSERT_TRUE(reservation.has_value());
+  }
+  EXPECT_EQ(publisher.published(), 0u);
+  auto subscriber = Subscriber::attach(channel, 1s);
+  EXPECT_FALSE(subscriber.try_next().has_value());
+  ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 1s));
+  auto bucket = subscriber.next(1s);
+  ASSERT_TRUE(bucket.has_value());
+  EXPECT_EQ(cli::check_bucket(bucket->view(), workload, 0), "");
+}
+
+TEST_F(Channel, SlotsGrowForLargerBuckets) {
+  auto publisher = Publisher::create(channel, {.slots = 1});
+  auto subscriber = Subscriber::attach(channel, 1s);
+  for (std::uint64_t bytes : {64ull, 1ull << 20, 256ull, 3ull << 20}) {
+    Workload workload{.tensors = 3, .tensor_bytes = bytes};
+    ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 1s));
+    auto bucket = subscriber.next(1s);
+    ASSERT_TRUE(bucket.has_value());
+    EXPECT_EQ(cli::check_bucket(bucket->view(), workload, 0), "") << bytes;
+  }
+}
+
+// Maps a slot segment for writing, as a faulty or hostile process could.
+std::span<std::byte> map_for_tampering(const std::string& name) {
+  int fd = ::shm_open(("/" + name).c_str(), O_RDWR, 0);
+  if (fd < 0) return {};
+  struct stat status {};
+  ::fstat(fd, &status);
+  auto* data = ::mmap(nullptr, static_cast<std::size_t>(status.st_size), PROT_READ | PROT_WRITE,
+                      MAP_SHARED, fd, 0);
+  ::close(fd);
+  return {static_cast<std::byte*>(data), static_cast<std::size_t>(status.st_size)};
+}
+
+TEST_F(Channel, ViewsAreSharedMemoryAndHoldTheirSlot) {
+  Workload workload{.tensors = 2, .tensor_bytes = 64};
+  auto publisher = Publisher::create(channel, {.slots = 1});
+  auto subscriber = Subscriber::attach(channel, 1s);
+  ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 1s));
+  auto bucket = subscriber.next(1s);
+  ASSERT_TRUE(bucket.has_value());
+  // Zero-copy: a write into the segment shows through the view.
+  auto segment = map_for_tampering("tensorbucket." + channel + ".slot0.1");
+  ASSERT_FALSE(segment.empty());
+  segment[0] = ~bucket->view()[0].bytes[0];
+  EXPECT_EQ(bucket->view()[0].bytes[0], segment[0]);
+  ::munmap(segment.data(), segment.size());
+  // Held: the only slot cannot be reused until the bucket is released.
+  EXPECT_FALSE(publisher.publish(cli::make_bucket(workload, 1).builder, 30ms));
+  bucket->release();
+  EXPECT_TRUE(publisher.publish(cli::make_bucket(workload, 1).builder, 1s));
+}
+
+TEST_F(Channel, FlippedPayloadByteIsRejectedWithChecksumMismatch) {
+  Workload workload{.buckets = 2, .tensors = 2, .tensor_bytes = 64};
+  auto publisher = Publisher::create(channel, {.payload_checksum = true});
+  auto subscriber = Subscriber::attach(channel, 1s);
+  ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 1s));
+  auto segment = map_for_tampering("tensorbucket." + channel + ".slot0.1");
+  ASSERT_FALSE(segment.empty());
+  segment[3] ^= std::byte{0x40};
+  expect_error(ErrorCode::ChecksumMismatch, [&] { subscriber.next(1s); });
+  // The bad bucket is skipped and released; the channel goes on.
+  ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 1).builder, 1s));
+  auto bucket = subscriber.next(1s);
+  ASSERT_TRUE(bucket.has_value());
+  EXPECT_EQ(bucket->sequence(), 1u);
+  ::munmap(segment.data(), segment.size());
+}
+
+TEST_F(Channel, FlippedManifestByteIsRejectedWithChecksumMismatch) {
+  Workload workload{.tensors = 2, .tensor_bytes = 64};
+  auto publisher = Publisher::create(channel, {.payload_checksum = true});
+  auto subscriber = Subscriber::attach(channel, 1s);
+  ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 1s));
+  auto segment = map_for_tampering("tensorbucket." + channel + ".slot0.1");
+  ASSERT_FALSE(segment.empty());
+  // The frame follows the payload's page; byte 70 is inside the manifest.
+  segment[4096 + sizeof(BucketHeader) + 6] ^= std::byte{0x01};
+  expect_error(ErrorCode::ChecksumMismatch, [&] { subscriber.next(1s); });
+  ::munmap(segment.data(), segment.size());
+}
+
+TEST_F(Channel, KilledProducerLeavesConsumersWithProducerGone) {
+  std::mt19937_64 rng(test::fuzz_seed(5));
+  Workload workload{.buckets = 1u << 30, .tensors = 4, .tensor_bytes = 4096};
+  for (int run = 0; run < 12; ++run) {
+    SCOPED_TRACE("run " + std::to_string(run));
+    auto run_channel = channel + "-" + std::to_string(run);
+    Child producer([&] {
+      auto publisher = Publisher::create(run_channel, {.slots = 1 + static_cast<std::uint32_t>(run % 3)});
+      for (std::uint64_t i = 0;; ++i) {
+        if (!publisher.publish(cli::make_bucket(workload, i).builder, 10s)) return 3;
+      }
+    });
+    auto subscriber = Subscriber::attach(run_channel, 10s);
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 20000));
+    producer.kill_now();
+    std::uint64_t received = 0;
+    auto message = expect_error(ErrorCode::ProducerGone, [&] {
+      while (auto bucket = subscriber.next(5s)) {
+        ASSERT_EQ(bucket->sequence(), received);
+        ASSERT_EQ(cli::check_bucket(bucket->view(), workload, received), "");
+        ++received;
+      }
+    });
+    // The next producer of that name removes what the dead one left.
+    Publisher::create(run_channel).close();
+    EXPECT_EQ(segments_of(run_channel), std::vector<std::string>{});
+  }
+}
+
+TEST_F(Channel, KilledConsumerHoldingALeaseDoesNotStopTheProducer) {
+  Workload workload{.buckets = 20, .tensors = 2, .tensor_bytes = 256};
+  auto publisher = Publisher::create(channel, {.slots = 2});
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  Child holder([&] {
+    auto subscriber = Subscriber::attach(channel, 10s);
+    auto bucket = subscriber.next(10s);  // held until killed
+    char byte = 1;
+    if (::write(ready[1], &byte, 1) != 1) return 1;
+    ::pause();
+    return 0;
+  });
+  Child steady([&] { return consume(channel, workload, workload.buckets); });
+  ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 10s));
+  char byte;
+  ASSERT_EQ(::read(ready[0], &byte, 1), 1);
+  holder.kill_now();
+  for (std::uint64_t i = 1; i < workload.buckets; ++i) {
+    ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, i).builder, 10s)) << "bucket " << i;
+  }
+  EXPECT_EQ(steady.wait(), 0);
+  ::close(ready[0]);
+  ::close(ready[1]);
+}
+
+TEST_F(Channel, LiveProducerKeepsItsName) {
+  auto publisher = Publisher::create(channel);
+  expect_error(ErrorCode::ChannelExists, [&] { Publisher::create(channel); });
+}
+
+TEST_F(Channel, MissingChannelTimesOut) {
+  auto message = expect_error(ErrorCode::ChannelMissing, [&] { Subscriber::attach(channel, 20ms); });
+  EXPECT_NE(message.find(channel), std::string::npos) << message;
+}
+
+TEST_F(Channel, RefusesBadNames) {
+  for (std::string name : std::vector<std::string>{"", ".hidden", "a/b", "space here",
+                                                  std::string(65, 'x'), "ünï"}) {
+    expect_error(ErrorCode::InvalidArgument, [&] { Publisher::create(name); });
+    expect_error(ErrorCode::InvalidArgument, [&] { Subscriber::attach(name, 0ms); });
+  }
+}
+
+TEST_F(Channel, SegmentsGetTheRequestedMode) {
+  auto publisher = Publisher::create(channel, {.mode = 0640});
+  struct stat status {};
+  ASSERT_EQ(::stat(("/dev/shm/tensorbucket." + channel).c_str(), &status), 0);
+  EXPECT_EQ(status.st_mode & 0777, 0640u);
+  expect_error(ErrorCode::InvalidArgument, [&] { Publisher::create(channel + "x", {.mode = 0400}); });
+}
+
+TEST_F(Channel, RefusesChannelOwnedByAnotherUser) {
+  auto publisher = Publisher::create(channel);
+  auto path = "/dev/shm/tensorbucket." + channel;
+  if (::chown(path.c_str(), 12345, 12345) != 0) GTEST_SKIP() << "needs root to change the owner";
+  expect_error(ErrorCode::PermissionDenied, [&] { Subscriber::attach(channel, 100ms); });
+}
+
+TEST_F(Channel, ConsumerSeesProducerGoneAfterCleanClose) {
+  Workload workload{.buckets = 2, .tensors = 2, .tensor_bytes = 64};
+  auto publisher = Publisher::create(channel);
+  auto subscriber = Subscriber::attach(channel, 1s);
+  ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 1s));
+  auto bucket = subscriber.next(1s);
+  ASSERT_TRUE(bucket.has_value());
+  bucket->release();
+  ASSERT_TRUE(publisher.drain(1s));
+  publisher.close();
+  expect_error(ErrorCode::ProducerGone, [&] { subscriber.next(1s); });
+}
+
+TEST_F(Channel, TooManyConsumersIsChannelFull) {
+  auto publisher = Publisher::create(channel, {.max_consumers = 1, .min_consumers = 1});
+  auto first = Subscriber::attach(channel, 1s);
+  expect_error(ErrorCode::ChannelFull, [&] { Subscriber::attach(channel, 1s); });
+}
+
+}  // namespace
+}  // namespace tensorbucket
