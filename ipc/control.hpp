@@ -43,6 +43,7 @@ struct alignas(64) SlotControl {
   std::uint64_t payload_capacity; // the payload starts at offset 0, the frame right after
   std::uint64_t frame_bytes;      // header + manifest
   std::uint64_t publish_start_ns; // CLOCK_MONOTONIC when the producer began this bucket
+  std::uint64_t published_ns;     // CLOCK_MONOTONIC when it became visible
   std::uint32_t release_count;    // consumers that released the bucket in the slot
   std::uint32_t reserved;
 };

@@ -145,6 +145,7 @@ struct detail::PublisherState {
     std::memcpy(frame + sizeof header, manifest_bytes.data(), manifest_bytes.size());
     control_slot.frame_bytes = sizeof header + manifest_bytes.size();
 
+    control_slot.published_ns = ipc::monotonic_ns();
     // Release: the bytes and slot fields above are visible to a consumer that sees this value.
     slot_generation[s] = 2 * (bucket + 1);
     ipc::atomic(control_slot.generation).store(slot_generation[s], std::memory_order_release);
@@ -361,6 +362,9 @@ void Reservation::commit() {
   if (state_ == nullptr) fail(ErrorCode::InvalidArgument, "reservation was already committed");
   auto* state = std::exchange(state_, nullptr);
   state->reservation_open = false;
+  // For the in-place path the handoff starts here: the writing before it is the caller's.
+  state->slot(static_cast<std::uint32_t>(state->published % state->options.slots)).publish_start_ns =
+      ipc::monotonic_ns();
   state->finish(state->published, manifest_bytes_, payload_bytes_);
 }
 

@@ -20,6 +20,7 @@ constexpr auto kWaitSlice = std::chrono::milliseconds(10);
 // Spinning this long before sleeping keeps the handoff in microseconds when the producer is
 // about to publish, at the price of that much CPU per empty wait.
 constexpr auto kSpin = std::chrono::microseconds(50);
+constexpr auto kLivenessPeriod = std::chrono::milliseconds(5);
 
 }  // namespace
 
@@ -35,6 +36,7 @@ struct detail::SubscriberState {
     std::shared_ptr<ipc::Segment> segment;
   };
   std::vector<MappedSlot> slots;
+  Clock::time_point last_liveness_check{};
 
   SubscriberState(std::string name, ipc::Segment segment)
       : channel(std::move(name)),
@@ -71,8 +73,13 @@ struct detail::SubscriberState {
     ipc::futex_bump_and_wake(&control->producer_wake);
   }
 
+  // The liveness check reads /proc, so it runs at most once per kLivenessPeriod; the closed
+  // flag is read every time.
   bool producer_gone() {
     if (ipc::atomic(control->closed).load(std::memory_order_acquire)) return true;
+    auto now = Clock::now();
+    if (now - last_liveness_check < kLivenessPeriod) return false;
+    last_liveness_check = now;
     ipc::ProcessId producer{ipc::atomic(control->producer.pid).load(std::memory_order_relaxed), 0,
                             ipc::atomic(control->producer.start_time).load(std::memory_order_relaxed)};
     return !ipc::is_alive(producer);
@@ -207,7 +214,8 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
         fail(ErrorCode::Torn, "slot ", s, " of channel ", Quoted{state.channel},
              " was rewritten while bucket ", bucket, " was read");
       }
-      return ReceivedBucket(std::move(view), bucket, control_slot.publish_start_ns, std::move(lease));
+      return ReceivedBucket(std::move(view), bucket, control_slot.publish_start_ns,
+                            control_slot.published_ns, std::move(lease));
     }
     if (g > expected + 1) {
       // Bucket `bucket` was overwritten before we registered: start from what is still held.
@@ -232,10 +240,12 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
 const std::string& Subscriber::channel() const noexcept { return state_->channel; }
 
 ReceivedBucket::ReceivedBucket(BucketView view, std::uint64_t sequence,
-                               std::uint64_t publish_start_ns, std::unique_ptr<detail::Lease> lease)
+                               std::uint64_t publish_start_ns, std::uint64_t published_ns,
+                               std::unique_ptr<detail::Lease> lease)
     : view_(std::move(view)),
       sequence_(sequence),
       publish_start_ns_(publish_start_ns),
+      published_ns_(published_ns),
       lease_(std::move(lease)) {}
 ReceivedBucket::ReceivedBucket(ReceivedBucket&&) noexcept = default;
 ReceivedBucket& ReceivedBucket::operator=(ReceivedBucket&&) noexcept = default;

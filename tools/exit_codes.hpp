@@ -17,7 +17,7 @@ enum ExitCode : int {
 
 constexpr int exit_code_for(ErrorCode code) {
   switch (code) {
-    case ErrorCode::InvalidArgument: return kOtherError;
+    case ErrorCode::InvalidArgument: return kUsage;  // a bad name or option value
     case ErrorCode::MissingManifest:
     case ErrorCode::MissingPayload:
     case ErrorCode::HeaderCorrupt:

@@ -65,21 +65,20 @@ BucketBuilder make_layout(const Workload& workload, std::uint64_t index) {
   return builder;
 }
 
-std::string check_bucket(const BucketView& view, const Workload& workload, std::uint64_t index) {
+std::string check_bucket(const BucketView& view, std::uint64_t seed, std::uint64_t index) {
+  auto where = "bucket " + std::to_string(index);
   if (view.manifest().version != index) {
-    return "bucket " + std::to_string(index) + " has version " +
-           std::to_string(view.manifest().version);
+    return where + " has version " + std::to_string(view.manifest().version);
   }
-  if (view.size() != workload.tensors) {
-    return "bucket " + std::to_string(index) + " has " + std::to_string(view.size()) + " tensors";
-  }
-  std::vector<std::byte> expected(tensor_bytes(workload));
-  for (std::uint32_t t = 0; t < workload.tensors; ++t) {
+  Workload workload{.seed = seed};
+  std::vector<std::byte> expected;
+  for (std::uint32_t t = 0; t < view.size(); ++t) {
     auto tensor = view.find(tensor_name(t));
+    if (!tensor || tensor->dtype != tensor_dtype(t)) return where + " lacks " + tensor_name(t);
+    expected.resize(tensor->bytes.size());
     fill_tensor(expected, workload, index, t);
-    if (!tensor || tensor->dtype != tensor_dtype(t) || tensor->bytes.size() != expected.size() ||
-        std::memcmp(tensor->bytes.data(), expected.data(), expected.size()) != 0) {
-      return "bucket " + std::to_string(index) + " tensor " + tensor_name(t) + " differs";
+    if (std::memcmp(tensor->bytes.data(), expected.data(), expected.size()) != 0) {
+      return where + " tensor " + tensor_name(t) + " differs";
     }
   }
   return {};

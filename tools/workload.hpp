@@ -37,7 +37,8 @@ SourceBucket make_bucket(const Workload& workload, std::uint64_t index);
 // The same layout with every entry declare()d, for the in-place path.
 BucketBuilder make_layout(const Workload& workload, std::uint64_t index);
 
-// Empty when `view` is exactly bucket `index`; otherwise what differs.
-std::string check_bucket(const BucketView& view, const Workload& workload, std::uint64_t index);
+// Empty when `view` is exactly bucket `index` of a workload with `seed` (tensor count and
+// sizes are read from the bucket itself); otherwise what differs.
+std::string check_bucket(const BucketView& view, std::uint64_t seed, std::uint64_t index);
 
 }  // namespace tensorbucket::cli

@@ -113,7 +113,10 @@ class ReceivedBucket {
 
   const BucketView& view() const noexcept { return view_; }
   std::uint64_t sequence() const noexcept { return sequence_; }  // 0-based place in the channel
-  std::uint64_t publish_start_ns() const noexcept { return publish_start_ns_; }  // CLOCK_MONOTONIC
+  // CLOCK_MONOTONIC times: when the producer began handing this bucket over (the start of
+  // publish(), or of commit() for a reservation), and when it became visible to consumers.
+  std::uint64_t publish_start_ns() const noexcept { return publish_start_ns_; }
+  std::uint64_t published_ns() const noexcept { return published_ns_; }
 
   // Gives the slot back early. The views must not be used afterwards.
   void release() noexcept;
@@ -121,10 +124,11 @@ class ReceivedBucket {
  private:
   friend class Subscriber;
   ReceivedBucket(BucketView view, std::uint64_t sequence, std::uint64_t publish_start_ns,
-                 std::unique_ptr<detail::Lease> lease);
+                 std::uint64_t published_ns, std::unique_ptr<detail::Lease> lease);
   BucketView view_;
   std::uint64_t sequence_;
   std::uint64_t publish_start_ns_;
+  std::uint64_t published_ns_;
   std::unique_ptr<detail::Lease> lease_;
 };
 
@@ -151,5 +155,38 @@ class Subscriber {
   explicit Subscriber(std::shared_ptr<detail::SubscriberState> state);
   std::shared_ptr<detail::SubscriberState> state_;
 };
+
+// A snapshot of a channel for tools (`tbucket inspect`), read without registering as a
+// consumer; values may be moments old. ChannelMissing / PermissionDenied as attach().
+struct ChannelInfo {
+  struct Slot {
+    std::uint64_t generation;              // 0 empty, odd being written, else 2(bucket+1)
+    std::optional<std::uint64_t> bucket;   // the published bucket it holds
+    std::uint32_t release_count;
+    std::string segment;                   // its shared-memory object, empty when none
+    std::uint64_t segment_bytes;
+  };
+  struct Consumer {
+    std::uint32_t record;
+    std::int32_t pid;
+    bool alive;
+    bool attaching;        // between its two attach steps
+    std::uint64_t next_bucket;
+    std::uint32_t held_slots;  // bit s: a lease on slot s
+  };
+  std::string channel;
+  std::string control_segment;
+  std::uint32_t slots, max_consumers, min_consumers;
+  bool payload_checksum;
+  std::int32_t producer_pid;
+  bool producer_alive;
+  bool closed;
+  std::uint64_t published;
+  std::vector<Slot> slot_states;
+  std::vector<Consumer> consumers;           // taken records only
+  std::optional<Manifest> newest_manifest;   // of the newest bucket, when read untorn
+};
+
+ChannelInfo inspect_channel(std::string_view channel);
 
 }  // namespace tensorbucket

@@ -1,0 +1,199 @@
+// `tbucket bench`: cross-process handoff figures, each beside a baseline measured in the same
+// run. A forked consumer receives every bucket and reports latency percentiles; the producer
+// waits for each bucket's release before the next, so every figure is one isolated handoff.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#include "commands.hpp"
+#include "exit_codes.hpp"
+
+namespace tensorbucket::cli {
+namespace {
+
+using namespace std::chrono_literals;
+
+std::uint64_t now_ns() {
+  timespec now{};
+  ::clock_gettime(CLOCK_MONOTONIC, &now);
+  return static_cast<std::uint64_t>(now.tv_sec) * 1'000'000'000u + static_cast<std::uint64_t>(now.tv_nsec);
+}
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values.empty() ? 0 : values[values.size() / 2];
+}
+
+double p99(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values.empty() ? 0 : values[static_cast<std::size_t>(0.99 * static_cast<double>(values.size() - 1))];
+}
+
+enum class Wait { Next, Spin };
+enum class Clock { FromPublishStart, FromVisible };
+
+struct Latency {
+  double median_us = 0;
+  double p99_us = 0;
+  bool ok = false;
+};
+
+// Forks a consumer of `channel` that takes `count` buckets (the first `warmup` not counted)
+// and reports latency; `drive(i)` publishes bucket i in this process.
+Latency measure(const std::string& channel, int count, int warmup, Wait wait, Clock clock,
+                const std::function<bool(int)>& drive) {
+  int report[2];
+  if (::pipe(report) != 0) return {};
+  std::fflush(nullptr);  // or the child would print our buffered output again
+  pid_t consumer = ::fork();
+  if (consumer == 0) {
+    std::vector<double> latencies;
+    try {
+      auto subscriber = Subscriber::attach(channel, 10s);
+      for (int i = 0; i < count; ++i) {
+        std::optional<ReceivedBucket> bucket;
+        if (wait == Wait::Spin) {
+          while (!(bucket = subscriber.try_next())) {
+          }
+        } else {
+          bucket = subscriber.next(10s);
+        }
+        if (!bucket) ::_exit(kTimeout);
+        auto from = clock == Clock::FromVisible ? bucket->published_ns() : bucket->publish_start_ns();
+        if (i >= warmup) latencies.push_back(static_cast<double>(now_ns() - from) / 1000);
+      }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "tbucket bench: consumer: %s\n", e.what());
+      ::_exit(kOtherError);
+    }
+    double values[2] = {median(latencies), p99(latencies)};
+    ::_exit(::write(report[1], values, sizeof values) == sizeof values ? kOk : kOtherError);
+  }
+  ::close(report[1]);
+  bool driven = true;
+  for (int i = 0; i < count && driven; ++i) driven = drive(i);
+  double values[2] = {};
+  bool reported = ::read(report[0], values, sizeof values) == sizeof values;
+  ::close(report[0]);
+  int status = 0;
+  if (!driven) ::kill(consumer, SIGKILL);
+  ::waitpid(consumer, &status, 0);
+  return {values[0], values[1], driven && reported && WIFEXITED(status) && WEXITSTATUS(status) == 0};
+}
+
+// Median time of `bytes` of memcpy between two pre-faulted buffers.
+double memcpy_us(std::size_t bytes, int repeats) {
+  std::vector<std::byte> from(bytes, std::byte{1}), to(bytes, std::byte{0});
+  std::vector<double> times;
+  for (int i = 0; i < repeats; ++i) {
+    auto start = now_ns();
+    std::memcpy(to.data(), from.data(), bytes);
+    times.push_back(static_cast<double>(now_ns() - start) / 1000);
+    if (to[bytes / 2] != from[bytes / 2]) return 0;
+  }
+  return median(times);
+}
+
+struct Row {
+  std::string name;
+  Latency latency;
+  std::string baseline;
+  double baseline_us;  // 0: none
+  std::string target;
+};
+
+std::string channel_name(const char* what) {
+  return "tbbench-" + std::to_string(::getpid()) + "-" + what;
+}
+
+// Copy path: 1000 tensors of `tensor_bytes` each, publish start -> verified views.
+Row copy_handoff(const char* name, std::uint64_t tensor_bytes, int repeats, const char* target) {
+  Workload workload{.buckets = 1, .tensors = 1000, .tensor_bytes = tensor_bytes};
+  auto bucket = make_bucket(workload, 0);
+  auto channel = channel_name(name);
+  auto publisher = Publisher::create(channel);
+  auto latency = measure(channel, repeats + 2, 2, Wait::Next, Clock::FromPublishStart, [&](int) {
+    bool ok = publisher.publish(bucket.builder, 10s) && publisher.drain(10s);
+    std::this_thread::sleep_for(1ms);
+    return ok;
+  });
+  auto bytes = bucket.builder.payload_bytes();
+  return {name, latency, "memcpy of the same " + std::to_string(bytes >> 10) + " KiB",
+          memcpy_us(bytes, repeats), target};
+}
+
+// In-place path: the caller already wrote the tensors; commit -> verified views.
+Row in_place_handoff(const char* name, std::uint64_t tensor_bytes, int repeats) {
+  Workload workload{.buckets = 1, .tensors = 1000, .tensor_bytes = tensor_bytes};
+  auto layout = make_layout(workload, 0);
+  auto channel = channel_name(name);
+  auto publisher = Publisher::create(channel);
+  auto latency = measure(channel, repeats + 2, 2, Wait::Next, Clock::FromPublishStart, [&](int) {
+    auto reservation = publisher.reserve(layout, 10s);
+    if (!reservation) return false;
+    reservation->commit();
+    bool ok = publisher.drain(10s);
+    std::this_thread::sleep_for(1ms);
+    return ok;
+  });
+  return {name, latency, "", 0, "<= 100 us, flat as size grows"};
+}
+
+// Notification: an empty bucket, visible -> received, with the consumer spinning or asleep.
+Row notification(const char* name, Wait wait, std::chrono::microseconds gap, int repeats,
+                 const char* target) {
+  BucketBuilder empty;
+  auto channel = channel_name(name);
+  auto publisher = Publisher::create(channel);
+  auto latency = measure(channel, repeats + 2, 2, wait, Clock::FromVisible, [&](int) {
+    std::this_thread::sleep_for(gap);  // long enough for the consumer to be spinning / asleep
+    return publisher.publish(empty, 10s) && publisher.drain(10s);
+  });
+  return {name, latency, "", 0, target};
+}
+
+}  // namespace
+
+int run_bench(const BenchOptions& options) {
+  int n = options.repeats;
+  std::vector<Row> rows;
+  rows.push_back(copy_handoff("copy 1000 x 1 KiB", 1024, n, "<= 95 us"));
+  rows.push_back(copy_handoff("copy 1000 x 256 KiB", 256 * 1024, std::max(5, n / 10), "<= 1.1x memcpy"));
+  rows.push_back(in_place_handoff("in-place 1000 x 1 KiB", 1024, n));
+  rows.push_back(in_place_handoff("in-place 1000 x 16 KiB", 16 * 1024, n));
+  rows.push_back(in_place_handoff("in-place 1000 x 256 KiB", 256 * 1024, std::max(5, n / 10)));
+  rows.push_back(notification("notify, consumer spinning", Wait::Spin, 1000us, n, "<= 0.5 us"));
+  rows.push_back(notification("notify, consumer asleep", Wait::Next, 2000us, n, "<= 15 us"));
+
+  bool ok = true;
+  if (options.json) std::printf("[");
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const auto& row = rows[i];
+    ok = ok && row.latency.ok;
+    double ratio = row.baseline_us > 0 ? row.latency.median_us / row.baseline_us : 0;
+    if (options.json) {
+      std::printf("%s{\"name\":\"%s\",\"median_us\":%.2f,\"p99_us\":%.2f,\"baseline\":\"%s\","
+                  "\"baseline_us\":%.2f,\"ratio\":%.3f,\"target\":\"%s\",\"ok\":%s}",
+                  i ? "," : "", row.name.c_str(), row.latency.median_us, row.latency.p99_us,
+                  row.baseline.c_str(), row.baseline_us, ratio, row.target.c_str(),
+                  row.latency.ok ? "true" : "false");
+    } else {
+      std::printf("%-28s median %10.2f us  p99 %10.2f us", row.name.c_str(), row.latency.median_us,
+                  row.latency.p99_us);
+      if (row.baseline_us > 0) {
+        std::printf("  | %s: %.2f us, ratio %.2fx", row.baseline.c_str(), row.baseline_us, ratio);
+      }
+      std::printf("  (target %s)%s\n", row.target.c_str(), row.latency.ok ? "" : "  FAILED");
+    }
+  }
+  if (options.json) std::printf("]\n");
+  return ok ? kOk : kOtherError;
+}
+
+}  // namespace tensorbucket::cli

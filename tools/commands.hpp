@@ -1,0 +1,58 @@
+// The tbucket subcommands. Each returns an exit status from exit_codes.hpp and prints
+// errors as one line on stderr; tbucket.cpp parses the command line into these options.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "workload.hpp"
+
+namespace tensorbucket::cli {
+
+struct ProduceOptions {
+  std::string channel;
+  Workload workload;
+  std::uint32_t slots = 2;
+  std::uint32_t consumers = 1;  // min_consumers
+  bool checksum = false;
+  bool in_place = false;
+  std::uint64_t interval_ms = 0;
+  std::uint64_t timeout_ms = 10000;
+};
+
+struct ConsumeOptions {
+  std::string channel;
+  std::uint64_t buckets = 0;  // 0: until the producer is gone
+  std::uint64_t seed = 1;
+  bool verify = false;
+  std::uint64_t timeout_ms = 10000;
+  bool json = false;
+};
+
+struct InspectOptions {
+  std::string channel;
+  bool json = false;
+};
+
+struct DemoOptions {
+  int layers = 8;
+  std::uint64_t seed = 1;
+};
+
+struct BenchOptions {
+  bool json = false;
+  int repeats = 50;
+};
+
+int run_produce(const ProduceOptions& options);
+int run_consume(const ConsumeOptions& options);
+int run_inspect(const InspectOptions& options);
+int run_demo(const DemoOptions& options);
+int run_bench(const BenchOptions& options);
+
+// SIGINT / SIGTERM set a flag that the long-running commands poll between bounded waits, so
+// they close the channel (removing its segments) before exiting.
+void install_stop_handlers();
+int stop_signal();  // 0 while running
+
+}  // namespace tensorbucket::cli

@@ -1,0 +1,116 @@
+#include <cstdio>
+#include <map>
+#include <sstream>
+
+#include "commands.hpp"
+#include "exit_codes.hpp"
+
+namespace tensorbucket::cli {
+namespace {
+
+struct ManifestSummary {
+  std::uint64_t bytes = 0;
+  std::map<std::string_view, std::size_t> dtypes;
+};
+
+ManifestSummary summarize(const Manifest& manifest) {
+  ManifestSummary summary;
+  for (const auto& entry : manifest.entries) {
+    summary.bytes += entry.byte_length;
+    ++summary.dtypes[dtype_name(entry.dtype)];
+  }
+  return summary;
+}
+
+void print_json(const ChannelInfo& info) {
+  std::ostringstream out;
+  out << "{\"channel\":\"" << info.channel << "\",\"control_segment\":\"" << info.control_segment
+      << "\",\"slots\":" << info.slots << ",\"max_consumers\":" << info.max_consumers
+      << ",\"min_consumers\":" << info.min_consumers
+      << ",\"payload_checksum\":" << (info.payload_checksum ? "true" : "false")
+      << ",\"producer\":{\"pid\":" << info.producer_pid
+      << ",\"alive\":" << (info.producer_alive ? "true" : "false") << "},\"closed\":"
+      << (info.closed ? "true" : "false") << ",\"published\":" << info.published
+      << ",\"slot_states\":[";
+  for (std::size_t s = 0; s < info.slot_states.size(); ++s) {
+    const auto& slot = info.slot_states[s];
+    out << (s ? "," : "") << "{\"slot\":" << s << ",\"generation\":" << slot.generation
+        << ",\"bucket\":" << (slot.bucket ? std::to_string(*slot.bucket) : "null")
+        << ",\"release_count\":" << slot.release_count << ",\"segment\":\"" << slot.segment
+        << "\",\"segment_bytes\":" << slot.segment_bytes << "}";
+  }
+  out << "],\"consumers\":[";
+  for (std::size_t c = 0; c < info.consumers.size(); ++c) {
+    const auto& consumer = info.consumers[c];
+    out << (c ? "," : "") << "{\"record\":" << consumer.record << ",\"pid\":" << consumer.pid
+        << ",\"alive\":" << (consumer.alive ? "true" : "false")
+        << ",\"attaching\":" << (consumer.attaching ? "true" : "false")
+        << ",\"next_bucket\":" << consumer.next_bucket << ",\"held_slots\":" << consumer.held_slots
+        << "}";
+  }
+  out << "],\"newest_manifest\":";
+  if (info.newest_manifest) {
+    auto summary = summarize(*info.newest_manifest);
+    out << "{\"version\":" << info.newest_manifest->version
+        << ",\"bucket_index\":" << info.newest_manifest->bucket_index
+        << ",\"bucket_count\":" << info.newest_manifest->bucket_count
+        << ",\"entries\":" << info.newest_manifest->entries.size()
+        << ",\"groups\":" << info.newest_manifest->groups.size() << ",\"bytes\":" << summary.bytes
+        << ",\"dtypes\":{";
+    bool first = true;
+    for (auto [name, count] : summary.dtypes) {
+      out << (first ? "" : ",") << "\"" << name << "\":" << count;
+      first = false;
+    }
+    out << "}}";
+  } else {
+    out << "null";
+  }
+  out << "}";
+  std::printf("%s\n", out.str().c_str());
+}
+
+void print_text(const ChannelInfo& info) {
+  std::printf("channel %s (control segment %s)\n", info.channel.c_str(), info.control_segment.c_str());
+  std::printf("  config     %u slots, up to %u consumers, min_consumers %u, payload checksums %s\n",
+              info.slots, info.max_consumers, info.min_consumers, info.payload_checksum ? "on" : "off");
+  std::printf("  producer   pid %d, %s%s, %llu buckets published\n", info.producer_pid,
+              info.producer_alive ? "alive" : "gone", info.closed ? ", closed" : "",
+              static_cast<unsigned long long>(info.published));
+  for (std::size_t s = 0; s < info.slot_states.size(); ++s) {
+    const auto& slot = info.slot_states[s];
+    std::string state = slot.generation == 0       ? "empty"
+                        : slot.generation % 2 != 0 ? "being written"
+                                                   : "bucket " + std::to_string(*slot.bucket);
+    std::printf("  slot %zu     %s (generation %llu), %u releases, %s (%llu bytes)\n", s, state.c_str(),
+                static_cast<unsigned long long>(slot.generation), slot.release_count,
+                slot.segment.empty() ? "no segment" : slot.segment.c_str(),
+                static_cast<unsigned long long>(slot.segment_bytes));
+  }
+  if (info.consumers.empty()) std::printf("  consumers  none\n");
+  for (const auto& consumer : info.consumers) {
+    std::printf("  consumer   record %u: pid %d, %s%s, next bucket %llu, leases 0x%x\n", consumer.record,
+                consumer.pid, consumer.alive ? "alive" : "gone", consumer.attaching ? ", attaching" : "",
+                static_cast<unsigned long long>(consumer.next_bucket), consumer.held_slots);
+  }
+  if (info.newest_manifest) {
+    auto summary = summarize(*info.newest_manifest);
+    std::printf("  newest     version %llu, bucket %u of %u, %zu entries, %zu groups, %llu bytes:",
+                static_cast<unsigned long long>(info.newest_manifest->version),
+                info.newest_manifest->bucket_index + 1, info.newest_manifest->bucket_count,
+                info.newest_manifest->entries.size(), info.newest_manifest->groups.size(),
+                static_cast<unsigned long long>(summary.bytes));
+    for (auto [name, count] : summary.dtypes) std::printf(" %zu %s", count, std::string(name).c_str());
+    std::printf("\n");
+  }
+}
+
+}  // namespace
+
+int run_inspect(const InspectOptions& options) {
+  auto info = inspect_channel(options.channel);
+  options.json ? print_json(info) : print_text(info);
+  return kOk;
+}
+
+}  // namespace tensorbucket::cli

@@ -1,0 +1,107 @@
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <thread>
+
+#include "commands.hpp"
+#include "exit_codes.hpp"
+
+namespace tensorbucket::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+// Waits are cut into slices this long so a stop signal is noticed promptly.
+constexpr auto kSlice = std::chrono::milliseconds(50);
+
+// Retries `attempt(slice)` until it succeeds, the timeout passes, or a stop signal arrives.
+template <class Attempt>
+bool with_deadline(std::uint64_t timeout_ms, Attempt&& attempt) {
+  auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  for (;;) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (attempt(std::clamp(left, std::chrono::milliseconds(0), kSlice))) return true;
+    if (stop_signal() != 0 || Clock::now() >= deadline) return false;
+  }
+}
+
+int stopped() {
+  std::fprintf(stderr, "tbucket: stopped by signal %d; channel closed\n", stop_signal());
+  return 128 + stop_signal();
+}
+
+}  // namespace
+
+int run_produce(const ProduceOptions& options) {
+  install_stop_handlers();
+  auto publisher = Publisher::create(options.channel, {.slots = options.slots,
+                                                       .min_consumers = options.consumers,
+                                                       .payload_checksum = options.checksum});
+  const auto& workload = options.workload;
+  std::uint64_t bytes = 0;
+  auto start = Clock::now();
+  for (std::uint64_t i = 0; i < workload.buckets; ++i) {
+    bool published = false;
+    if (options.in_place) {
+      auto layout = make_layout(workload, i);
+      std::optional<Reservation> reservation;
+      published = with_deadline(options.timeout_ms, [&](auto slice) {
+        if (auto reserved = publisher.reserve(layout, slice)) reservation.emplace(std::move(*reserved));
+        return reservation.has_value();
+      });
+      if (published) {
+        for (std::uint32_t t = 0; t < workload.tensors; ++t) {
+          fill_tensor(reservation->entry_spans()[t], workload, i, t);
+        }
+        reservation->commit();
+        bytes += layout.payload_bytes();
+      }
+    } else {
+      auto bucket = make_bucket(workload, i);
+      published = with_deadline(options.timeout_ms,
+                                [&](auto slice) { return publisher.publish(bucket.builder, slice); });
+      bytes += bucket.builder.payload_bytes();
+    }
+    if (stop_signal() != 0) return stopped();
+    if (!published) {
+      std::fprintf(stderr, "tbucket: Timeout: no slot of channel '%s' came free within %llu ms (bucket %llu)\n",
+                   options.channel.c_str(), static_cast<unsigned long long>(options.timeout_ms),
+                   static_cast<unsigned long long>(i));
+      return kTimeout;
+    }
+    if (options.interval_ms != 0) {
+      with_deadline(options.interval_ms, [](auto slice) {
+        std::this_thread::sleep_for(slice);
+        return false;
+      });
+    }
+  }
+  bool drained = with_deadline(options.timeout_ms, [&](auto slice) { return publisher.drain(slice); });
+  if (stop_signal() != 0) return stopped();
+  if (!drained) {
+    std::fprintf(stderr, "tbucket: Timeout: consumers did not release every bucket of '%s' within %llu ms\n",
+                 options.channel.c_str(), static_cast<unsigned long long>(options.timeout_ms));
+    return kTimeout;
+  }
+  auto seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  std::printf("published %llu buckets, %.1f MiB, on channel '%s' in %.3f s\n",
+              static_cast<unsigned long long>(workload.buckets), static_cast<double>(bytes) / (1 << 20),
+              options.channel.c_str(), seconds);
+  return kOk;
+}
+
+namespace {
+volatile std::sig_atomic_t received_signal = 0;
+extern "C" void on_stop_signal(int signal) { received_signal = signal; }
+}  // namespace
+
+void install_stop_handlers() {
+  struct sigaction action {};
+  action.sa_handler = on_stop_signal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+}
+
+int stop_signal() { return received_signal; }
+
+}  // namespace tensorbucket::cli
