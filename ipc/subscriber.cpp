@@ -124,7 +124,13 @@ Subscriber Subscriber::attach(std::string_view channel, std::chrono::millisecond
   auto deadline = Clock::now() + timeout;
   std::optional<ipc::Segment> segment;
   for (;;) {
-    segment = ipc::Segment::open(name, sizeof(ipc::ControlBlock), true);
+    try {
+      segment = ipc::Segment::open(name, sizeof(ipc::ControlBlock), true);
+    } catch (const Error& e) {
+      // A producer creates the object, then sizes it: too small may just mean too early.
+      if (e.code() != ErrorCode::SystemError || Clock::now() >= deadline) throw;
+      segment.reset();
+    }
     if (segment) {
       auto* control = reinterpret_cast<ipc::ControlBlock*>(segment->data());
       if (ipc::atomic(control->magic).load(std::memory_order_acquire) == ipc::kControlMagic) break;
