@@ -110,6 +110,11 @@ struct detail::SubscriberState {
 };
 
 struct detail::Lease {
+  Lease(std::shared_ptr<SubscriberState> owner, std::uint32_t leased_slot, std::uint64_t leased_generation)
+      : subscriber(std::move(owner)), slot(leased_slot), generation(leased_generation) {}
+  Lease(const Lease&) = delete;
+  Lease& operator=(const Lease&) = delete;
+
   std::shared_ptr<SubscriberState> subscriber;
   std::shared_ptr<ipc::Segment> segment;  // keeps the views' memory mapped
   std::uint32_t slot;
@@ -207,7 +212,7 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
         continue;
       }
       // Built in place: a Lease releases its slot when destroyed, temporaries included.
-      auto lease = std::make_unique<detail::Lease>(state_, nullptr, s, expected);
+      auto lease = std::make_unique<detail::Lease>(state_, s, expected);
       // Whatever happens below, this bucket is done for us: advance before anything throws.
       state.next_bucket = bucket + 1;
       ipc::atomic(state.record->next_bucket).store(bucket + 1, std::memory_order_seq_cst);
