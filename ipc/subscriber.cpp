@@ -37,6 +37,7 @@ struct detail::SubscriberState {
   };
   std::vector<MappedSlot> slots;
   Clock::time_point last_liveness_check{};
+  ManifestCache manifests;  // a producer resends the same layout every step
 
   SubscriberState(std::string name, ipc::Segment segment)
       : channel(std::move(name)),
@@ -220,7 +221,8 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
       const auto& control_slot = control->slots[s];
       auto* base = lease->segment->data();
       auto view = BucketView::open({base + control_slot.payload_capacity, control_slot.frame_bytes},
-                                   {base, control_slot.payload_capacity}, options);
+                                   {base, control_slot.payload_capacity}, options,
+                                   &state.manifests);
       if (ipc::atomic(generation).load(std::memory_order_acquire) != expected) {
         fail(ErrorCode::Torn, "slot ", s, " of channel ", Quoted{state.channel},
              " was rewritten while bucket ", bucket, " was read");

@@ -268,6 +268,42 @@ TEST(Verify, MovedFromViewFindsNothing) {
   EXPECT_FALSE(view.find("w0").has_value());  // NOLINT(bugprone-use-after-move): specified
 }
 
+TEST(ManifestCache, ReusesAManifestVerifiedBefore) {
+  Fixture f;
+  ManifestCache cache;
+  auto frame = f.frame();
+  auto first = BucketView::open(frame, f.payload.span(), {}, &cache);
+  auto second = BucketView::open(frame, f.payload.span(), {}, &cache);
+  EXPECT_EQ(&first.manifest(), &second.manifest());
+  EXPECT_EQ(second.find("w2")->bytes.data(), f.payload.span().data() + 512);
+}
+
+TEST(ManifestCache, VerifiesAgainWhenThePayloadSizeDiffers) {
+  Fixture f;
+  ManifestCache cache;
+  BucketView::open(f.frame(), f.payload.span(), {}, &cache);
+  // Same manifest bytes, but a header declaring a payload too short for the last entry.
+  auto short_frame = encode_frame(f.manifest, f.payload.span().first(520));  // w2 ends at 528
+  expect_rejected(ErrorCode::OutOfBounds, short_frame, f.payload.span(), {});
+  std::optional<BucketView> view;
+  expect_error(ErrorCode::OutOfBounds,
+               [&] { view.emplace(BucketView::open(short_frame, f.payload.span(), {}, &cache)); });
+  EXPECT_FALSE(view.has_value());
+}
+
+TEST(ManifestCache, StillChecksTheExpectedManifestOnAHit) {
+  Fixture f;
+  ManifestCache cache;
+  auto frame = f.frame();
+  BucketView::open(frame, f.payload.span(), {}, &cache);
+  Manifest expected;
+  std::optional<BucketView> view;
+  expect_error(ErrorCode::ManifestMismatch, [&] {
+    view.emplace(BucketView::open(frame, f.payload.span(), {.expected = &expected}, &cache));
+  });
+  EXPECT_FALSE(view.has_value());
+}
+
 TEST(Verify, ErrorMessagesEscapeControlBytesInNames) {
   Fixture f;
   f.manifest.entries[0].name = std::string("a\nb", 3);

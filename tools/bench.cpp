@@ -108,15 +108,16 @@ struct Row {
   std::string target;
 };
 
-std::string channel_name(const char* what) {
-  return "tbbench-" + std::to_string(::getpid()) + "-" + what;
+std::string channel_name() {
+  static int figure = 0;
+  return "tbbench-" + std::to_string(::getpid()) + "-" + std::to_string(figure++);
 }
 
 // Copy path: 1000 tensors of `tensor_bytes` each, publish start -> verified views.
 Row copy_handoff(const char* name, std::uint64_t tensor_bytes, int repeats, const char* target) {
   Workload workload{.buckets = 1, .tensors = 1000, .tensor_bytes = tensor_bytes};
   auto bucket = make_bucket(workload, 0);
-  auto channel = channel_name(name);
+  auto channel = channel_name();
   auto publisher = Publisher::create(channel);
   auto latency = measure(channel, repeats + 2, 2, Wait::Next, Clock::FromPublishStart, [&](int) {
     bool ok = publisher.publish(bucket.builder, 10s) && publisher.drain(10s);
@@ -132,7 +133,7 @@ Row copy_handoff(const char* name, std::uint64_t tensor_bytes, int repeats, cons
 Row in_place_handoff(const char* name, std::uint64_t tensor_bytes, int repeats) {
   Workload workload{.buckets = 1, .tensors = 1000, .tensor_bytes = tensor_bytes};
   auto layout = make_layout(workload, 0);
-  auto channel = channel_name(name);
+  auto channel = channel_name();
   auto publisher = Publisher::create(channel);
   auto latency = measure(channel, repeats + 2, 2, Wait::Next, Clock::FromPublishStart, [&](int) {
     auto reservation = publisher.reserve(layout, 10s);
@@ -149,7 +150,7 @@ Row in_place_handoff(const char* name, std::uint64_t tensor_bytes, int repeats) 
 Row notification(const char* name, Wait wait, std::chrono::microseconds gap, int repeats,
                  const char* target) {
   BucketBuilder empty;
-  auto channel = channel_name(name);
+  auto channel = channel_name();
   auto publisher = Publisher::create(channel);
   auto latency = measure(channel, repeats + 2, 2, wait, Clock::FromVisible, [&](int) {
     std::this_thread::sleep_for(gap);  // long enough for the consumer to be spinning / asleep

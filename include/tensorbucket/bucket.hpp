@@ -29,7 +29,7 @@
 
 namespace tensorbucket {
 namespace detail {
-class NameIndex;
+struct VerifiedManifest;
 }  // namespace detail
 
 // Heap bytes aligned to kPayloadAlignment, left uninitialized (packing overwrites them all).
@@ -111,6 +111,25 @@ struct TensorView {
   std::string_view group;  // empty when the entry belongs to no group
 };
 
+// Manifests a consumer already verified. Producers usually send the same layout every step
+// (same names, shapes and offsets; new bytes), so a hit costs one compare of the manifest bytes
+// instead of a decode and every rule. A hit requires the exact bytes and the same payload size
+// the manifest was verified against. Not synchronized: one per consumer thread.
+class ManifestCache {
+ public:
+  explicit ManifestCache(std::size_t capacity = 64) : capacity_(capacity) {}
+
+ private:
+  friend class BucketView;
+  // The verified manifest for `encoded` (whose xxh3 is `hash`), reused or verified and kept.
+  std::shared_ptr<const detail::VerifiedManifest> verified(std::span<const std::byte> encoded,
+                                                           std::uint64_t hash,
+                                                           std::uint64_t payload_bytes);
+  std::size_t capacity_;
+  // Keyed by the manifest's xxh3; the bytes are compared on every hit.
+  std::unordered_map<std::uint64_t, std::shared_ptr<const detail::VerifiedManifest>> entries_;
+};
+
 struct VerifyOptions {
   // Rule 5: when set, the bucket must match these names, dtypes and shapes exactly.
   const Manifest* expected = nullptr;
@@ -123,28 +142,22 @@ class BucketView {
   // Verifies `frame` and `payload` (docs/format.md, "Verification") and returns views into
   // `payload`. MissingManifest / MissingPayload when a half is absent; otherwise the code of
   // the first rule broken. `payload` may be longer than the header's payload_bytes.
+  // With a `cache`, a manifest whose bytes were verified before is reused, not decoded again.
   static BucketView open(std::span<const std::byte> frame, std::span<const std::byte> payload,
-                         const VerifyOptions& options = {});
+                         const VerifyOptions& options = {}, ManifestCache* cache = nullptr);
 
-  // Move-only: the name index points into this view's own manifest. A moved-from view is empty.
-  BucketView(BucketView&&) noexcept;
-  BucketView& operator=(BucketView&&) noexcept;
-  BucketView(const BucketView&) = delete;
-  BucketView& operator=(const BucketView&) = delete;
-  ~BucketView();
-
-  const Manifest& manifest() const noexcept { return manifest_; }
-  std::size_t size() const noexcept { return manifest_.entries.size(); }
+  // Copies share the (immutable) verified manifest. A moved-from view is empty.
+  const Manifest& manifest() const noexcept;
+  std::size_t size() const noexcept { return manifest().entries.size(); }
   TensorView operator[](std::size_t index) const;
   std::optional<TensorView> find(std::string_view name) const;
 
  private:
-  BucketView();
+  BucketView(std::shared_ptr<const detail::VerifiedManifest> verified,
+             std::span<const std::byte> payload);
 
-  Manifest manifest_;
+  std::shared_ptr<const detail::VerifiedManifest> verified_;
   std::span<const std::byte> payload_;
-  // Views manifest_.entries' heap storage, which moves along with the view.
-  std::unique_ptr<detail::NameIndex> index_;
 };
 
 }  // namespace tensorbucket
