@@ -1,7 +1,7 @@
 // BucketView::open: the consumer's gate. Order matters: the cheap presence checks come
 // first so a missing half is reported as such, the manifest is trusted only after its hash
 // matches, and the payload is hashed only after the manifest proved it fits.
-#include <algorithm>
+#include <cstring>
 
 #include "tensorbucket/bucket.hpp"
 #include "text.hpp"
@@ -29,9 +29,10 @@ std::shared_ptr<const detail::VerifiedManifest> verify(std::span<const std::byte
 std::shared_ptr<const detail::VerifiedManifest> ManifestCache::verified(
     std::span<const std::byte> encoded, std::uint64_t hash, std::uint64_t payload_bytes) {
   auto found = entries_.find(hash);
+  // memcmp, not std::equal: libstdc++ compares std::byte ranges one byte at a time.
   if (found != entries_.end() && found->second->payload_bytes == payload_bytes &&
-      std::equal(encoded.begin(), encoded.end(), found->second->bytes.begin(),
-                 found->second->bytes.end())) {
+      found->second->bytes.size() == encoded.size() &&
+      std::memcmp(found->second->bytes.data(), encoded.data(), encoded.size()) == 0) {
     return found->second;
   }
   auto fresh = verify(encoded, payload_bytes);
