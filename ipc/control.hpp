@@ -84,6 +84,17 @@ std::atomic_ref<T> atomic(T& field) {
   return std::atomic_ref<T>(field);
 }
 
+// A ProcessId in shared memory, read or written field by field (each field atomically): the
+// writer stores start_time first and pid last, so a reader that sees a pid sees its start time.
+inline ProcessId load_process(ProcessId& shared) {
+  auto pid = atomic(shared.pid).load(std::memory_order_acquire);
+  return {pid, 0, atomic(shared.start_time).load(std::memory_order_relaxed)};
+}
+inline void store_process(ProcessId& shared, const ProcessId& value) {
+  atomic(shared.start_time).store(value.start_time, std::memory_order_relaxed);
+  atomic(shared.pid).store(value.pid, std::memory_order_release);
+}
+
 // Names under /dev/shm. Channel names are [A-Za-z0-9._-]{1,64}, not starting with a dot.
 void validate_channel_name(std::string_view channel);
 std::string control_segment_name(std::string_view channel);

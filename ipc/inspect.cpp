@@ -52,8 +52,7 @@ ChannelInfo inspect_channel(std::string_view channel) {
   info.max_consumers = std::min(control->max_consumers, ipc::kMaxConsumers);
   info.min_consumers = control->min_consumers;
   info.payload_checksum = control->payload_checksum != 0;
-  ipc::ProcessId producer{ipc::atomic(control->producer.pid).load(std::memory_order_relaxed), 0,
-                          ipc::atomic(control->producer.start_time).load(std::memory_order_relaxed)};
+  auto producer = ipc::load_process(control->producer);
   info.producer_pid = producer.pid;
   info.producer_alive = ipc::is_alive(producer);
   info.closed = ipc::atomic(control->closed).load(std::memory_order_acquire) != 0;
@@ -75,8 +74,7 @@ ChannelInfo inspect_channel(std::string_view channel) {
     auto& record = control->consumers[r];
     auto state = ipc::atomic(record.state).load(std::memory_order_acquire);
     if (state == ipc::kFree) continue;
-    ipc::ProcessId process{ipc::atomic(record.process.pid).load(std::memory_order_relaxed), 0,
-                           ipc::atomic(record.process.start_time).load(std::memory_order_relaxed)};
+    auto process = ipc::load_process(record.process);
     info.consumers.push_back({r, process.pid, ipc::is_alive(process), state == ipc::kClaimed,
                               ipc::atomic(record.next_bucket).load(std::memory_order_relaxed),
                               ipc::atomic(record.held_slots).load(std::memory_order_relaxed)});

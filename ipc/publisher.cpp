@@ -70,8 +70,7 @@ struct detail::PublisherState {
                     ipc::atomic(record.next_bucket).load(std::memory_order_seq_cst) <= bucket ||
                     (ipc::atomic(record.held_slots).load(std::memory_order_seq_cst) & (1u << s));
       if (!blocks) continue;
-      ipc::ProcessId process{ipc::atomic(record.process.pid).load(std::memory_order_relaxed), 0,
-                             ipc::atomic(record.process.start_time).load(std::memory_order_relaxed)};
+      auto process = ipc::load_process(record.process);
       // A claimed record without a pid is a consumer between its two attach steps.
       if (process.pid != 0 && !ipc::is_alive(process)) {
         reclaim(record);
@@ -201,8 +200,7 @@ void remove_stale_channel(std::string_view channel) {
   if (!segment) return;
   if (segment->size() >= sizeof(ipc::ControlBlock)) {
     auto* control = reinterpret_cast<ipc::ControlBlock*>(segment->data());
-    ipc::ProcessId producer{ipc::atomic(control->producer.pid).load(std::memory_order_acquire), 0,
-                            ipc::atomic(control->producer.start_time).load(std::memory_order_acquire)};
+    auto producer = ipc::load_process(control->producer);
     if (ipc::is_alive(producer)) {
       fail(ErrorCode::ChannelExists, "channel ", Quoted{channel}, " is owned by live process ",
            producer.pid);
@@ -259,9 +257,7 @@ Publisher Publisher::create(std::string_view channel, const PublisherOptions& op
   control->max_consumers = options.max_consumers;
   control->min_consumers = options.min_consumers;
   control->payload_checksum = options.payload_checksum;
-  auto self = ipc::current_process();
-  ipc::atomic(control->producer.start_time).store(self.start_time, std::memory_order_relaxed);
-  ipc::atomic(control->producer.pid).store(self.pid, std::memory_order_release);
+  ipc::store_process(control->producer, ipc::current_process());
   // Release: a consumer that reads the magic sees every field above.
   ipc::atomic(control->magic).store(ipc::kControlMagic, std::memory_order_release);
   return Publisher(std::make_unique<detail::PublisherState>(std::string(channel), options,

@@ -81,8 +81,7 @@ struct detail::SubscriberState {
     auto now = Clock::now();
     if (now - last_liveness_check < kLivenessPeriod) return false;
     last_liveness_check = now;
-    ipc::ProcessId producer{ipc::atomic(control->producer.pid).load(std::memory_order_relaxed), 0,
-                            ipc::atomic(control->producer.start_time).load(std::memory_order_relaxed)};
+    auto producer = ipc::load_process(control->producer);
     return !ipc::is_alive(producer);
   }
 
@@ -169,10 +168,8 @@ Subscriber Subscriber::attach(std::string_view channel, std::chrono::millisecond
          control->max_consumers, " consumers");
   }
   auto& record = *state->record;
-  auto self = ipc::current_process();
   ipc::atomic(record.held_slots).store(0, std::memory_order_relaxed);
-  ipc::atomic(record.process.start_time).store(self.start_time, std::memory_order_relaxed);
-  ipc::atomic(record.process.pid).store(self.pid, std::memory_order_relaxed);
+  ipc::store_process(record.process, ipc::current_process());
   // Registered (claimed) before choosing where to start, so the producer cannot reuse the
   // oldest slot between our look at it and our cursor landing on it.
   state->next_bucket = state->oldest_available();

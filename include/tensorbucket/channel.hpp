@@ -80,7 +80,7 @@ class Publisher {
 };
 
 // A slot held for in-place writing. Abandoned (the slot left empty, nothing published) when
-// destroyed without commit().
+// destroyed without commit(). Must not outlive the Publisher that made it.
 class Reservation {
  public:
   Reservation(Reservation&&) noexcept;
