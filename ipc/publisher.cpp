@@ -298,9 +298,14 @@ std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
   auto base = state_->begin(payload_bytes, sizeof(BucketHeader) + manifest_bytes.size(), timeout);
   if (!base) return std::nullopt;
   std::span<std::byte> payload{*base, payload_bytes};
-  // Zero the padding (and whatever the caller leaves unwritten) so no bytes of an older
-  // bucket travel with this one.
-  std::memset(payload.data(), 0, payload.size());
+  // Zero the padding between entries, so no bytes of an older bucket travel in it. Only the
+  // padding: zeroing a whole 256 MiB payload here evicted the caches the handoff then needed.
+  std::uint64_t written = 0;
+  for (const auto& entry : layout.manifest().entries) {
+    std::memset(payload.data() + written, 0, entry.byte_offset - written);
+    written = entry.byte_offset + entry.byte_length;
+  }
+  std::memset(payload.data() + written, 0, payload_bytes - written);
   state_->reservation_open = true;
   return Reservation(state_.get(), std::move(manifest_bytes), payload_bytes,
                      layout.entry_spans(payload));

@@ -164,6 +164,24 @@ TEST_F(Channel, InPlaceReservationPublishesWhatWasWritten) {
   EXPECT_EQ(consumer.wait(), 0);
 }
 
+TEST_F(Channel, ReservationPaddingCarriesNoOlderBytes) {
+  auto publisher = Publisher::create(channel, {.slots = 1});
+  auto subscriber = Subscriber::attach(channel, 1s);
+  // Fill the slot with non-zero bytes first: 2 x 512 bytes, no padding.
+  ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 2, .tensor_bytes = 512}, 0).builder, 1s));
+  subscriber.next(1s)->release();
+  // Then a layout of 2 x 8 bytes: bytes 8..255 are padding.
+  auto layout = cli::make_layout({.tensors = 2, .tensor_bytes = 8}, 1);
+  auto reservation = publisher.reserve(layout, 1s);
+  ASSERT_TRUE(reservation.has_value());
+  for (auto span : reservation->entry_spans()) std::fill(span.begin(), span.end(), std::byte{7});
+  reservation->commit();
+  auto bucket = subscriber.next(1s);
+  ASSERT_TRUE(bucket.has_value());
+  const auto* start = bucket->view()[0].bytes.data();
+  for (std::size_t i = 8; i < 256; ++i) ASSERT_EQ(start[i], std::byte{0}) << "padding byte " << i;
+}
+
 TEST_F(Channel, AbandonedReservationPublishesNothing) {
   Workload workload{.buckets = 2, .tensors = 2, .tensor_bytes = 64};
   auto publisher = Publisher::create(channel);

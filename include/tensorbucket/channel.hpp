@@ -87,7 +87,8 @@ class Reservation {
   Reservation& operator=(Reservation&&) = delete;
   ~Reservation();
 
-  // Writable spans into shared memory, one per entry of the layout, in its order.
+  // Writable spans into shared memory, one per entry of the layout, in its order. They hold
+  // whatever the slot held before until written: write every entry.
   std::span<const std::span<std::byte>> entry_spans() const noexcept { return spans_; }
 
   // Publishes what was written. InvalidArgument when called twice.
