@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -118,6 +119,24 @@ TEST_F(Channel, DeliversEveryBucketInOrderToTwoConsumers) {
   EXPECT_TRUE(publisher.drain(10s));
   EXPECT_EQ(first.wait(), 0);
   EXPECT_EQ(second.wait(), 0);
+}
+
+// The same stress with peers as threads of one process: what ThreadSanitizer can see (it
+// cannot follow memory shared between processes).
+TEST_F(Channel, DeliversEveryBucketInOrderToTwoConsumerThreads) {
+  Workload workload{.buckets = 1000, .tensors = 8, .tensor_bytes = 512, .seed = 4};
+  auto publisher = Publisher::create(channel, {.min_consumers = 2});
+  std::atomic<int> first{-1}, second{-1};
+  std::thread a([&] { first = consume(channel, workload, workload.buckets); });
+  std::thread b([&] { second = consume(channel, workload, workload.buckets); });
+  for (std::uint64_t i = 0; i < workload.buckets; ++i) {
+    ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, i).builder, 10s)) << "bucket " << i;
+  }
+  EXPECT_TRUE(publisher.drain(10s));
+  a.join();
+  b.join();
+  EXPECT_EQ(first, 0);
+  EXPECT_EQ(second, 0);
 }
 
 TEST_F(Channel, OneSlotAppliesBackpressureWithoutLoss) {
