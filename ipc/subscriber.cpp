@@ -76,9 +76,8 @@ struct detail::SubscriberState {
 
   // The liveness check reads /proc, so it runs at most once per kLivenessPeriod; the closed
   // flag is read every time.
-  bool producer_gone() {
+  bool producer_gone(Clock::time_point now) {
     if (ipc::atomic(control->closed).load(std::memory_order_acquire)) return true;
-    auto now = Clock::now();
     if (now - last_liveness_check < kLivenessPeriod) return false;
     last_liveness_check = now;
     auto producer = ipc::load_process(control->producer);
@@ -101,7 +100,7 @@ struct detail::SubscriberState {
     auto name = ipc::slot_segment_name(channel, s, control_slot.segment_epoch);
     auto segment = ipc::Segment::open(name, control_slot.segment_bytes, false);
     if (!segment) {
-      if (producer_gone()) fail(ErrorCode::ProducerGone, "producer of channel ", Quoted{channel}, " is gone");
+      if (producer_gone(Clock::now())) fail(ErrorCode::ProducerGone, "producer of channel ", Quoted{channel}, " is gone");
       fail(ErrorCode::SystemError, "slot segment ", Quoted{name}, " is missing");
     }
     mapped = {control_slot.segment_epoch, std::make_shared<ipc::Segment>(std::move(*segment))};
@@ -236,7 +235,7 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
     // Not published yet (or the producer is probing the slot and will back off for us).
     auto now = Clock::now();
     if (now - start < kSpin && now < deadline) continue;
-    if (state.producer_gone()) {
+    if (state.producer_gone(now)) {
       if (ipc::atomic(generation).load(std::memory_order_acquire) == expected) continue;
       fail(ErrorCode::ProducerGone, "producer of channel ", Quoted{state.channel},
            " is gone; every published bucket was received");
