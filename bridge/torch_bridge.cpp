@@ -1,0 +1,177 @@
+#include "tensorbucket/torch.hpp"
+
+#include <cstring>
+
+#include "serialize/text.hpp"
+
+namespace tensorbucket::torch_bridge {
+
+using text::fail;
+using text::Quoted;
+
+namespace {
+
+struct Pair {
+  DType dtype;
+  at::ScalarType type;
+};
+
+// The manifest dtypes torch 1.13 has. U16, U32, U64 and the F8 types have no torch dtype
+// here; they still travel between C++ peers, but do not become torch tensors.
+constexpr Pair kPairs[] = {
+    {DType::BOOL, at::kBool},  {DType::U8, at::kByte},     {DType::I8, at::kChar},
+    {DType::I16, at::kShort},  {DType::I32, at::kInt},     {DType::I64, at::kLong},
+    {DType::F16, at::kHalf},   {DType::BF16, at::kBFloat16}, {DType::F32, at::kFloat},
+    {DType::F64, at::kDouble},
+};
+
+Shape shape_of(const at::Tensor& tensor) {
+  auto sizes = tensor.sizes();
+  return Shape(std::span<const std::int64_t>(sizes.data(), sizes.size()));
+}
+
+// The refusals of the header, in one place for both publishing paths.
+void check_sendable(const std::string& name, const at::Tensor& tensor) {
+  if (!tensor.defined()) {
+    fail(ErrorCode::Unmaterialized, "entry ", Quoted{name}, " is an undefined tensor and has no data");
+  }
+  if (tensor.is_meta()) {
+    fail(ErrorCode::Unmaterialized, "entry ", Quoted{name}, " is a meta tensor and has no data");
+  }
+  if (tensor.is_quantized()) {
+    fail(ErrorCode::UnsupportedDtype, "entry ", Quoted{name}, " is quantized (",
+         c10::toString(tensor.scalar_type()), "); send its int representation and scales as a group");
+  }
+  if (tensor.layout() != at::kStrided) {
+    fail(ErrorCode::InvalidArgument, "entry ", Quoted{name}, " has layout ", tensor.layout(),
+         "; only strided (dense) tensors can be sent");
+  }
+  if (!tensor.device().is_cpu()) {
+    fail(ErrorCode::InvalidArgument, "entry ", Quoted{name}, " is on ", tensor.device().str(),
+         "; this build sends CPU tensors");
+  }
+  dtype_of(tensor.scalar_type(), name);
+}
+
+// The layout of `tensors` with every entry declare()d, after checking them all.
+BucketBuilder layout_of(const NamedTensors& tensors, std::uint64_t version,
+                        std::uint32_t bucket_index, std::uint32_t bucket_count) {
+  BucketBuilder builder;
+  builder.version(version).bucket(bucket_index, bucket_count);
+  for (const auto& [name, tensor] : tensors) {
+    check_sendable(name, tensor);
+    builder.declare(name, dtype_of(tensor.scalar_type(), name), shape_of(tensor));
+  }
+  return builder;
+}
+
+// A tensor over `bytes` of `entry`, with `keep_alive` released when its storage dies.
+at::Tensor view_of(const ManifestEntry& entry, std::span<const std::byte> bytes,
+                   std::shared_ptr<const void> keep_alive) {
+  auto type = scalar_type_of(entry.dtype, entry.name);
+  std::vector<std::int64_t> sizes(entry.shape.begin(), entry.shape.end());
+  auto options = at::TensorOptions().dtype(type).device(at::kCPU);
+  // from_blob wants a mutable pointer; the memory is the producer's and read-only (header).
+  auto* data = const_cast<std::byte*>(bytes.data());
+  if (!keep_alive) return at::from_blob(data, sizes, options);
+  return at::from_blob(data, sizes, [keep = std::move(keep_alive)](void*) mutable { keep.reset(); },
+                       options);
+}
+
+NamedTensors views_of(const BucketView& view, const std::shared_ptr<const void>& keep_alive) {
+  NamedTensors out;
+  out.reserve(view.size());
+  for (std::size_t i = 0; i < view.size(); ++i) {
+    const auto& entry = view.manifest().entries[i];
+    out.emplace_back(entry.name, view_of(entry, view[i].bytes, keep_alive));
+  }
+  return out;
+}
+
+}  // namespace
+
+DType dtype_of(at::ScalarType type, const std::string& entry) {
+  for (const auto& pair : kPairs) {
+    if (pair.type == type) return pair.dtype;
+  }
+  fail(ErrorCode::UnsupportedDtype, "entry ", Quoted{entry}, " has torch dtype ",
+       c10::toString(type), ", which has no manifest dtype");
+}
+
+at::ScalarType scalar_type_of(DType dtype, const std::string& entry) {
+  for (const auto& pair : kPairs) {
+    if (pair.dtype == dtype) return pair.type;
+  }
+  fail(ErrorCode::UnsupportedDtype, "entry ", Quoted{entry}, " has dtype ", dtype_name(dtype),
+       ", which torch ", TORCH_VERSION, " cannot represent");
+}
+
+NamedTensors named_tensors(const torch::nn::Module& module) {
+  NamedTensors out;
+  for (const auto& item : module.named_parameters(true)) out.emplace_back(item.key(), item.value());
+  for (const auto& item : module.named_buffers(true)) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+TorchBucket make_bucket(const NamedTensors& tensors, std::uint64_t version,
+                        std::uint32_t bucket_index, std::uint32_t bucket_count) {
+  TorchBucket bucket;
+  bucket.builder.version(version).bucket(bucket_index, bucket_count);
+  for (const auto& [name, tensor] : tensors) check_sendable(name, tensor);
+  bucket.storage.reserve(tensors.size());
+  for (const auto& [name, tensor] : tensors) {
+    // By value: detached from autograd, row-major; contiguous() copies only when needed.
+    auto& stored = bucket.storage.emplace_back(tensor.detach().contiguous());
+    bucket.builder.add(name, dtype_of(stored.scalar_type(), name), shape_of(stored),
+                       stored.numel() == 0 ? nullptr : stored.data_ptr());
+  }
+  return bucket;
+}
+
+bool publish_in_place(Publisher& publisher, const NamedTensors& tensors,
+                      std::chrono::milliseconds timeout, std::uint64_t version,
+                      std::uint32_t bucket_index, std::uint32_t bucket_count) {
+  auto layout = layout_of(tensors, version, bucket_index, bucket_count);
+  auto reservation = publisher.reserve(layout, timeout);
+  if (!reservation) return false;
+  const auto& entries = layout.manifest().entries;
+  auto spans = reservation->entry_spans();
+  at::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    // copy_ lays out any strides row-major, straight into shared memory.
+    auto destination = view_of(entries[i], spans[i], nullptr);
+    destination.copy_(tensors[i].second.detach());
+  }
+  reservation->commit();
+  return true;
+}
+
+NamedTensors tensors(std::shared_ptr<const ReceivedBucket> bucket) {
+  const auto& view = bucket->view();
+  return views_of(view, std::move(bucket));
+}
+
+NamedTensors tensors(const BucketView& view) { return views_of(view, nullptr); }
+
+Manifest expected_manifest(const torch::nn::Module& module) {
+  Manifest manifest;
+  for (const auto& [name, tensor] : named_tensors(module)) {
+    manifest.entries.push_back({name, dtype_of(tensor.scalar_type(), name), shape_of(tensor), 0, 0, ""});
+  }
+  return manifest;
+}
+
+void load_into(torch::nn::Module& module, const NamedTensors& tensors) {
+  Manifest received;
+  for (const auto& [name, tensor] : tensors) {
+    received.entries.push_back({name, dtype_of(tensor.scalar_type(), name), shape_of(tensor), 0, 0, ""});
+  }
+  check_expected(received, expected_manifest(module));  // throws before anything is copied
+  auto targets = named_tensors(module);
+  std::unordered_map<std::string_view, const at::Tensor*> by_name;
+  for (const auto& [name, tensor] : tensors) by_name.emplace(name, &tensor);
+  at::NoGradGuard no_grad;
+  for (auto& [name, target] : targets) target.copy_(*by_name.at(name));
+}
+
+}  // namespace tensorbucket::torch_bridge

@@ -1,0 +1,68 @@
+// The LibTorch bridge: torch tensors in, zero-copy torch tensors out. Built when LibTorch is
+// found (meson option `torch`); link `tensorbucket-torch`.
+//
+// Sending: make_bucket() refuses, naming the entry, what cannot travel: undefined and meta
+// tensors (Unmaterialized), non-CPU devices, sparse and other non-strided layouts
+// (InvalidArgument), and dtypes without a manifest dtype, quantized and complex among them
+// (UnsupportedDtype). Nothing is built or published when any entry is refused.
+// Non-contiguous tensors are packed by value in row-major order; requires_grad tensors are
+// packed by value (detached).
+//
+// Receiving: tensors() gives from_blob views over the bucket's payload whose deleters keep the
+// bucket (and its lease) alive: the slot cannot be reused while any view lives, and nothing is
+// copied. The memory is the producer's: treat the views as read-only (received payloads are
+// mapped read-only; clone() to modify).
+//
+// Thread safety: as for the types they wrap; the functions keep no state.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tensorbucket/tensorbucket.hpp"
+
+namespace tensorbucket::torch_bridge {
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+// The manifest dtype of a torch scalar type; UnsupportedDtype when there is none.
+DType dtype_of(at::ScalarType type, const std::string& entry = "?");
+// The torch scalar type of a manifest dtype; UnsupportedDtype when torch lacks it.
+at::ScalarType scalar_type_of(DType dtype, const std::string& entry = "?");
+
+// A module's parameters and buffers, by their dotted names (as state_dict() orders them).
+NamedTensors named_tensors(const torch::nn::Module& module);
+
+// A bucket ready to publish, and the contiguous tensors its builder points at: keep it alive
+// until published or packed.
+struct TorchBucket {
+  std::vector<at::Tensor> storage;
+  BucketBuilder builder;
+};
+TorchBucket make_bucket(const NamedTensors& tensors, std::uint64_t version = 0,
+                        std::uint32_t bucket_index = 0, std::uint32_t bucket_count = 1);
+
+// The in-place path: reserves a slot laid out for `tensors`, copies each straight into shared
+// memory, and commits. False when no slot came free within `timeout` (nothing published).
+bool publish_in_place(Publisher& publisher, const NamedTensors& tensors,
+                      std::chrono::milliseconds timeout, std::uint64_t version = 0,
+                      std::uint32_t bucket_index = 0, std::uint32_t bucket_count = 1);
+
+// Zero-copy views of every entry, in manifest order, that keep `bucket` leased while they live.
+NamedTensors tensors(std::shared_ptr<const ReceivedBucket> bucket);
+// Views over an in-process bucket; `view`'s payload must outlive them.
+NamedTensors tensors(const BucketView& view);
+
+// What `module` expects to receive: its parameters' and buffers' names, dtypes and shapes.
+Manifest expected_manifest(const torch::nn::Module& module);
+
+// Copies `tensors` into `module`'s parameters and buffers, as strictly as a strict
+// load_state_dict: one ManifestMismatch lists every missing, unexpected, dtype- and
+// shape-mismatched name, and nothing is copied when anything is wrong.
+void load_into(torch::nn::Module& module, const NamedTensors& tensors);
+
+}  // namespace tensorbucket::torch_bridge

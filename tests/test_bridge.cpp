@@ -1,0 +1,181 @@
+// The LibTorch bridge: torch tensors through a real channel, bit for bit, zero-copy on the
+// receiving side, and every refusal with its code.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "support.hpp"
+#include "tensorbucket/torch.hpp"
+
+namespace tensorbucket {
+namespace {
+
+using namespace std::chrono_literals;
+using test::expect_error;
+using torch_bridge::NamedTensors;
+
+std::string channel_for_test() {
+  return "tbbridge-" + std::to_string(::getpid()) + "-" +
+         ::testing::UnitTest::GetInstance()->current_test_info()->name();
+}
+
+bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
+  auto left = a.contiguous(), right = b.contiguous();
+  return left.scalar_type() == right.scalar_type() && left.sizes() == right.sizes() &&
+         (left.nbytes() == 0 || std::memcmp(left.data_ptr(), right.data_ptr(), left.nbytes()) == 0);
+}
+
+NamedTensors every_dtype() {
+  torch::manual_seed(1);
+  return {
+      {"bool", torch::randint(0, 2, {7}).to(at::kBool)},
+      {"u8", torch::randint(0, 255, {3, 5}).to(at::kByte)},
+      {"i8", torch::randint(-128, 127, {9}).to(at::kChar)},
+      {"i16", torch::randint(-30000, 30000, {2, 2, 2}).to(at::kShort)},
+      {"i32", torch::randint(-100000, 100000, {11}).to(at::kInt)},
+      {"i64", torch::randint(-1000000, 1000000, {4}).to(at::kLong)},
+      {"f16", torch::randn({6}).to(at::kHalf)},
+      {"bf16", torch::randn({3, 3}).to(at::kBFloat16)},
+      {"f32", torch::randn({17})},
+      {"f64", torch::randn({2, 8}, at::kDouble)},
+      {"scalar", torch::tensor(3.5)},
+      {"empty", torch::empty({0, 4})},
+  };
+}
+
+// Publishes `tensors` (copy or in-place) and receives them on `channel`.
+NamedTensors round_trip(const NamedTensors& tensors, bool in_place) {
+  auto channel = channel_for_test() + (in_place ? "-i" : "-c");
+  auto publisher = Publisher::create(channel);
+  auto subscriber = Subscriber::attach(channel, 1s);
+  if (in_place) {
+    EXPECT_TRUE(torch_bridge::publish_in_place(publisher, tensors, 1s, 7));
+  } else {
+    auto bucket = torch_bridge::make_bucket(tensors, 7);
+    EXPECT_TRUE(publisher.publish(bucket.builder, 1s));
+  }
+  auto received = subscriber.next(1s);
+  EXPECT_TRUE(received.has_value());
+  EXPECT_EQ(received->view().manifest().version, 7u);
+  // The tensors keep the bucket, and its mapping, alive after the channel objects are gone.
+  return torch_bridge::tensors(std::make_shared<const ReceivedBucket>(std::move(*received)));
+}
+
+TEST(TorchBridge, EveryDtypeRoundTripsBitExactly) {
+  auto sent = every_dtype();
+  for (bool in_place : {false, true}) {
+    auto received = round_trip(sent, in_place);
+    ASSERT_EQ(received.size(), sent.size());
+    for (std::size_t i = 0; i < sent.size(); ++i) {
+      EXPECT_EQ(received[i].first, sent[i].first);
+      EXPECT_TRUE(same_bytes(received[i].second, sent[i].second)) << sent[i].first;
+    }
+  }
+}
+
+TEST(TorchBridge, StridedAndGradTensorsTravelByValue) {
+  auto transposed = torch::arange(24, at::kFloat).reshape({4, 6}).t();
+  auto sliced = torch::arange(20, at::kLong).slice(0, 1, 20, 3);
+  auto trained = torch::randn({5}, torch::requires_grad());
+  ASSERT_FALSE(transposed.is_contiguous());
+  NamedTensors sent{{"transposed", transposed}, {"sliced", sliced}, {"trained", trained}};
+  for (bool in_place : {false, true}) {
+    auto received = round_trip(sent, in_place);
+    for (std::size_t i = 0; i < sent.size(); ++i) {
+      EXPECT_TRUE(torch::equal(received[i].second, sent[i].second.detach())) << sent[i].first;
+      EXPECT_FALSE(received[i].second.requires_grad());
+    }
+  }
+}
+
+TEST(TorchBridge, Seed002RefusesMetaTensors) {
+  NamedTensors tensors{{"ok", torch::ones({2})}, {"layers.0.weight", torch::empty({4, 4}, at::kMeta)}};
+  auto message = expect_error(ErrorCode::Unmaterialized, [&] { torch_bridge::make_bucket(tensors); });
+  EXPECT_NE(message.find("'layers.0.weight'"), std::string::npos) << message;
+  EXPECT_NE(message.find("has no data"), std::string::npos) << message;
+}
+
+TEST(TorchBridge, RefusesWhatCannotTravelAndPublishesNothing) {
+  auto channel = channel_for_test();
+  auto publisher = Publisher::create(channel);
+  auto sparse = torch::eye(3).to_sparse();
+  auto quantized = torch::quantize_per_tensor(torch::ones({2}), 0.1, 0, at::kQInt8);
+  struct Case {
+    const char* name;
+    at::Tensor tensor;
+    ErrorCode code;
+  };
+  for (const auto& c : {Case{"undefined", at::Tensor(), ErrorCode::Unmaterialized},
+                        Case{"sparse", sparse, ErrorCode::InvalidArgument},
+                        Case{"quantized", quantized, ErrorCode::UnsupportedDtype},
+                        Case{"complex", torch::ones({2}, at::kComplexFloat), ErrorCode::UnsupportedDtype}}) {
+    SCOPED_TRACE(c.name);
+    NamedTensors tensors{{"fine", torch::ones({3})}, {c.name, c.tensor}};
+    auto message = expect_error(c.code, [&] { torch_bridge::make_bucket(tensors); });
+    EXPECT_NE(message.find(std::string("'") + c.name + "'"), std::string::npos) << message;
+    expect_error(c.code, [&] { torch_bridge::publish_in_place(publisher, tensors, 100ms); });
+  }
+  EXPECT_EQ(publisher.published(), 0u);
+}
+
+TEST(TorchBridge, ViewsShareSharedMemoryAndHoldTheSlot) {
+  auto channel = channel_for_test();
+  auto publisher = Publisher::create(channel, {.slots = 1});
+  auto subscriber = Subscriber::attach(channel, 1s);
+  auto bucket = torch_bridge::make_bucket({{"w", torch::randn({64})}});
+  ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
+  auto received = std::make_shared<const ReceivedBucket>(std::move(*subscriber.next(1s)));
+  const auto* shared_bytes = received->view()[0].bytes.data();
+  auto views = torch_bridge::tensors(std::move(received));
+  EXPECT_EQ(views[0].second.data_ptr(), shared_bytes);  // no copy
+  auto w = views[0].second;
+  views.clear();
+  // The last view still holds the lease: the only slot cannot be reused.
+  EXPECT_FALSE(publisher.publish(bucket.builder, 30ms));
+  w = at::Tensor();
+  EXPECT_TRUE(publisher.publish(bucket.builder, 1s));
+}
+
+struct Net : torch::nn::Module {
+  Net() {
+    fc = register_module("fc", torch::nn::Linear(4, 3));
+    norm = register_module("norm", torch::nn::BatchNorm1d(3));
+  }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::BatchNorm1d norm{nullptr};
+};
+
+TEST(TorchBridge, LoadIntoCopiesEveryParameterAndBuffer) {
+  torch::manual_seed(2);
+  Net trainer, server;
+  auto sent = torch_bridge::named_tensors(trainer);
+  auto bucket = torch_bridge::make_bucket(sent);
+  auto packed = bucket.builder.pack();
+  auto view = BucketView::open(packed.frame, packed.payload.span());
+  torch_bridge::load_into(server, torch_bridge::tensors(view));
+  for (const auto& [name, tensor] : torch_bridge::named_tensors(server)) {
+    auto original = std::find_if(sent.begin(), sent.end(), [&](auto& p) { return p.first == name; });
+    ASSERT_NE(original, sent.end()) << name;
+    EXPECT_TRUE(torch::equal(tensor, original->second)) << name;
+  }
+  EXPECT_EQ(torch_bridge::expected_manifest(server).entries.size(), sent.size());
+}
+
+TEST(TorchBridge, LoadIntoIsStrictAndCopiesNothingOnMismatch) {
+  Net server;
+  auto before = server.fc->weight.clone();
+  NamedTensors wrong{{"fc.weight", torch::randn({4, 3})},   // shape differs
+                     {"fc.bias", torch::randn({3}, at::kDouble)},  // dtype differs
+                     {"extra", torch::randn({1})}};          // unexpected; the rest missing
+  auto message = expect_error(ErrorCode::ManifestMismatch, [&] { torch_bridge::load_into(server, wrong); });
+  for (const char* part : {"missing 'norm.weight'", "unexpected 'extra'", "'fc.weight' has shape",
+                           "'fc.bias' has dtype F64"}) {
+    EXPECT_NE(message.find(part), std::string::npos) << part << " not in: " << message;
+  }
+  EXPECT_TRUE(torch::equal(server.fc->weight, before));
+}
+
+}  // namespace
+}  // namespace tensorbucket
