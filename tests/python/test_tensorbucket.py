@@ -1,0 +1,134 @@
+"""The Python module: round trips, inputs, error classes, and a trainer and a server as two
+processes (examples/)."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tensorbucket
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture
+def channel(request):
+    return f"tbpy-{os.getpid()}-{request.node.name}"[:64]
+
+
+def test_round_trips_every_dtype_bit_exactly(channel):
+    torch.manual_seed(0)
+    sent = {
+        "bool": torch.rand(5) > 0.5,
+        "u8": torch.randint(0, 255, (4,), dtype=torch.uint8),
+        "i8": torch.randint(-128, 127, (4,), dtype=torch.int8),
+        "i16": torch.randint(-9, 9, (2, 3), dtype=torch.int16),
+        "i32": torch.randint(-9, 9, (3,), dtype=torch.int32),
+        "i64": torch.randint(-9, 9, (3,), dtype=torch.int64),
+        "f16": torch.randn(4).half(),
+        "bf16": torch.randn(4).bfloat16(),
+        "f32": torch.randn(2, 2),
+        "f64": torch.randn(3, dtype=torch.float64),
+        "strided": torch.arange(12.0).reshape(3, 4).t(),
+    }
+    publisher = tensorbucket.Publisher(channel)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    for in_place in (False, True):
+        publisher.publish(sent, version=3, in_place=in_place)
+        with subscriber.next(timeout=5) as bucket:
+            assert bucket.version == 3
+            received = bucket.tensors()
+            assert list(received) == list(sent)
+            for name, tensor in sent.items():
+                assert received[name].dtype == tensor.dtype
+                assert torch.equal(received[name], tensor), name
+
+
+def test_accepts_a_list_of_pairs_and_groups(channel):
+    publisher = tensorbucket.Publisher(channel)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    publisher.publish([("q.weight", torch.ones(4, dtype=torch.int8)), ("q.scales", torch.ones(1))],
+                      groups={"q": ["q.weight", "q.scales"]}, bucket_index=1, bucket_count=2)
+    bucket = subscriber.next(timeout=5)
+    assert (bucket.bucket_index, bucket.bucket_count) == (1, 2)
+    assert set(bucket.tensors()) == {"q.weight", "q.scales"}
+
+
+def test_refuses_a_meta_tensor_with_a_manifest_error(channel):
+    publisher = tensorbucket.Publisher(channel)
+    with pytest.raises(tensorbucket.ManifestError, match="'w' is a meta tensor"):
+        publisher.publish({"w": torch.empty(3, device="meta")})
+    assert publisher.published == 0
+
+
+def test_incomplete_group_is_a_manifest_error(channel):
+    publisher = tensorbucket.Publisher(channel)
+    with pytest.raises(tensorbucket.ManifestError, match="missing member 'q.scales'"):
+        publisher.publish({"q.weight": torch.ones(2)}, groups={"q": ["q.weight", "q.scales"]})
+
+
+def test_publish_without_a_free_slot_raises_timeout(channel):
+    publisher = tensorbucket.Publisher(channel, slots=1)
+    publisher.publish({"a": torch.ones(1)})
+    with pytest.raises(tensorbucket.Timeout):
+        publisher.publish({"a": torch.ones(1)}, timeout=0.05)
+
+
+def test_missing_channel_is_a_channel_error(channel):
+    with pytest.raises(tensorbucket.ChannelError, match="did not appear"):
+        tensorbucket.Subscriber(channel, timeout=0.02)
+
+
+def test_closed_producer_is_producer_gone(channel):
+    publisher = tensorbucket.Publisher(channel)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    publisher.close()
+    with pytest.raises(tensorbucket.ProducerGone):
+        subscriber.next(timeout=1)
+
+
+def test_expected_mismatch_lists_every_problem(channel):
+    publisher = tensorbucket.Publisher(channel)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    publisher.publish({"w": torch.ones(2, 2), "extra": torch.ones(1)})
+    with pytest.raises(tensorbucket.ManifestError) as raised:
+        subscriber.next(timeout=5, expected={"w": torch.ones(4), "bias": torch.ones(2)})
+    for part in ("missing 'bias'", "unexpected 'extra'", "'w' has shape [2, 2], expected [4]"):
+        assert part in str(raised.value)
+
+
+def test_views_are_zero_copy_and_hold_the_slot(channel):
+    publisher = tensorbucket.Publisher(channel, slots=1)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    publisher.publish({"w": torch.ones(8)})
+    bucket = subscriber.next(timeout=5)
+    w = bucket.tensors()["w"]
+    bucket.release()
+    with pytest.raises(tensorbucket.Timeout):  # w still holds the lease
+        publisher.publish({"w": torch.ones(8)}, timeout=0.05)
+    del w
+    publisher.publish({"w": torch.ones(8)}, timeout=5)
+
+
+def test_load_into_is_strict_and_copies_nothing_on_mismatch():
+    model = torch.nn.Linear(3, 2)
+    before = model.weight.clone()
+    with pytest.raises(tensorbucket.ManifestError, match="missing 'bias'"):
+        tensorbucket.load_into(model, {"weight": torch.zeros(2, 3), "extra": torch.zeros(1)})
+    assert torch.equal(model.weight, before)
+    tensorbucket.load_into(model, {"weight": torch.zeros(2, 3), "bias": torch.ones(2)})
+    assert torch.equal(model.bias, torch.ones(2))
+
+
+def test_trainer_and_server_processes(channel):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")])))
+    server = subprocess.Popen([sys.executable, str(EXAMPLES / "server.py"), channel, "5"], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    trainer = subprocess.run([sys.executable, str(EXAMPLES / "trainer.py"), channel, "5"], env=env,
+                             timeout=120)
+    output, _ = server.communicate(timeout=120)
+    assert trainer.returncode == 0
+    assert server.returncode == 0, output
+    assert output.count("loaded and equal") == 5
