@@ -119,9 +119,11 @@ TorchBucket make_bucket(const NamedTensors& tensors, std::uint64_t version,
   bucket.builder.version(version).bucket(bucket_index, bucket_count);
   for (const auto& [name, tensor] : tensors) check_sendable(name, tensor);
   bucket.storage.reserve(tensors.size());
+  // By value, row-major: only bytes are read, so a contiguous tensor (requires_grad or not) is
+  // used as it is; others are copied once, outside autograd.
+  at::NoGradGuard no_grad;
   for (const auto& [name, tensor] : tensors) {
-    // By value: detached from autograd, row-major; contiguous() copies only when needed.
-    auto& stored = bucket.storage.emplace_back(tensor.detach().contiguous());
+    auto& stored = bucket.storage.emplace_back(tensor.is_contiguous() ? tensor : tensor.contiguous());
     bucket.builder.add(name, dtype_of(stored.scalar_type(), name), shape_of(stored),
                        stored.numel() == 0 ? nullptr : stored.data_ptr());
   }

@@ -1,6 +1,9 @@
-"""How Python users hand weights to another process today, timed like `tbucket bench`.
+"""How Python users hand weights to another process today, timed like `tbucket bench`, beside
+the same handoff through the tensorbucket Python module.
 
-Two peers, each a producer process and a consumer process on one host:
+Three peers, each a producer process and a consumer process on one host:
+- tensorbucket: Publisher.publish of the tensors, Subscriber.next and Bucket.tensors() in the
+  consumer (zero-copy views, verified);
 - state_dict: a torch.multiprocessing queue of a state dict (tensors move to shared memory and
   are pickled as file-descriptor handles on every send);
 - flat_bucket: one persistent shared flat buffer, the tensors copied into it, and the metadata
@@ -10,11 +13,14 @@ Latency is CLOCK_MONOTONIC from the producer starting the send to the consumer h
 tensors, one isolated handoff at a time (the producer waits for an acknowledgement), the same
 clock and protocol as `tbucket bench`. Prints one JSON object per (peer, size).
 
-Run with Debian's Python, which has torch: /usr/bin/python3 bench/peers/python_peers.py
+Run with Debian's Python, which has torch, and the module meson built:
+PYTHONPATH=build/python /usr/bin/python3 bench/peers/python_peers.py
 """
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -85,13 +91,52 @@ def flat_bucket_peer(count, tensor_bytes, repeats):
     return latencies
 
 
+def tensorbucket_consumer(channel, results, repeats):
+    import tensorbucket
+    subscriber = tensorbucket.Subscriber(channel, timeout=30)
+    latencies = []
+    for _ in range(repeats):
+        bucket = subscriber.next(timeout=30)
+        views = bucket.tensors()
+        assert len(views) > 0
+        # The producer put its start time in the bucket's version.
+        latencies.append((time.monotonic_ns() - bucket.version) / 1000)
+        del views
+        bucket.release()
+        results.put(None)
+    results.put(latencies)
+
+
+def tensorbucket_peer(count, tensor_bytes, repeats):
+    import tensorbucket
+    tensors = make_tensors(count, tensor_bytes)
+    channel = f"tbpeer-{os.getpid()}-{tensor_bytes}"
+    publisher = tensorbucket.Publisher(channel, slots=2)
+    results = mp.Queue()
+    consumer = mp.Process(target=tensorbucket_consumer, args=(channel, results, repeats))
+    consumer.start()
+    for _ in range(repeats):
+        publisher.publish(tensors, version=time.monotonic_ns(), timeout=30)
+        results.get()
+    latencies = results.get()
+    consumer.join()
+    publisher.close()
+    return latencies
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     mp.set_start_method("spawn")
     torch.set_num_threads(1)
-    for name, peer in (("state_dict", state_dict_peer), ("flat_bucket", flat_bucket_peer)):
+    peers = [("state_dict", state_dict_peer), ("flat_bucket", flat_bucket_peer)]
+    try:
+        import tensorbucket  # noqa: F401  (built by meson; on PYTHONPATH)
+        peers.insert(0, ("tensorbucket", tensorbucket_peer))
+    except ImportError:
+        print("tensorbucket module not importable: set PYTHONPATH to build/python", file=sys.stderr)
+    for name, peer in peers:
         for label, tensor_bytes, repeats in (("1000 x 1 KiB", 1024, args.repeats),
                                              ("1000 x 256 KiB", 256 * 1024, max(3, args.repeats // 5))):
             latencies = peer(1000, tensor_bytes, repeats + 1)[1:]  # the first pays for start-up
