@@ -53,15 +53,21 @@ void check_sendable(const std::string& name, const at::Tensor& tensor) {
   dtype_of(tensor.scalar_type(), name);
 }
 
+void add_groups(BucketBuilder& builder, const std::vector<ManifestGroup>& groups) {
+  for (const auto& group : groups) builder.group(group.name, group.members);
+}
+
 // The layout of `tensors` with every entry declare()d, after checking them all.
 BucketBuilder layout_of(const NamedTensors& tensors, std::uint64_t version,
-                        std::uint32_t bucket_index, std::uint32_t bucket_count) {
+                        std::uint32_t bucket_index, std::uint32_t bucket_count,
+                        const std::vector<ManifestGroup>& groups) {
   BucketBuilder builder;
   builder.version(version).bucket(bucket_index, bucket_count);
   for (const auto& [name, tensor] : tensors) {
     check_sendable(name, tensor);
     builder.declare(name, dtype_of(tensor.scalar_type(), name), shape_of(tensor));
   }
+  add_groups(builder, groups);
   return builder;
 }
 
@@ -114,7 +120,8 @@ NamedTensors named_tensors(const torch::nn::Module& module) {
 }
 
 TorchBucket make_bucket(const NamedTensors& tensors, std::uint64_t version,
-                        std::uint32_t bucket_index, std::uint32_t bucket_count) {
+                        std::uint32_t bucket_index, std::uint32_t bucket_count,
+                        const std::vector<ManifestGroup>& groups) {
   TorchBucket bucket;
   bucket.builder.version(version).bucket(bucket_index, bucket_count);
   for (const auto& [name, tensor] : tensors) check_sendable(name, tensor);
@@ -127,13 +134,15 @@ TorchBucket make_bucket(const NamedTensors& tensors, std::uint64_t version,
     bucket.builder.add(name, dtype_of(stored.scalar_type(), name), shape_of(stored),
                        stored.numel() == 0 ? nullptr : stored.data_ptr());
   }
+  add_groups(bucket.builder, groups);
   return bucket;
 }
 
 bool publish_in_place(Publisher& publisher, const NamedTensors& tensors,
                       std::chrono::milliseconds timeout, std::uint64_t version,
-                      std::uint32_t bucket_index, std::uint32_t bucket_count) {
-  auto layout = layout_of(tensors, version, bucket_index, bucket_count);
+                      std::uint32_t bucket_index, std::uint32_t bucket_count,
+                      const std::vector<ManifestGroup>& groups) {
+  auto layout = layout_of(tensors, version, bucket_index, bucket_count, groups);
   auto reservation = publisher.reserve(layout, timeout);
   if (!reservation) return false;
   const auto& entries = layout.manifest().entries;

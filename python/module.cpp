@@ -47,12 +47,14 @@ Manifest to_manifest(const py::handle& tensors) {
   return manifest;
 }
 
-// Adds `groups` ({group: [member, ...]}) to `builder`.
-void add_groups(BucketBuilder& builder, const py::handle& groups) {
-  if (groups.is_none()) return;
+// {group: [member, ...]} or None.
+std::vector<ManifestGroup> to_groups(const py::handle& groups) {
+  std::vector<ManifestGroup> out;
+  if (groups.is_none()) return out;
   for (auto item : groups.cast<py::dict>()) {
-    builder.group(item.first.cast<std::string>(), item.second.cast<std::vector<std::string>>());
+    out.push_back({item.first.cast<std::string>(), item.second.cast<std::vector<std::string>>()});
   }
+  return out;
 }
 
 class PyPublisher {
@@ -68,17 +70,16 @@ class PyPublisher {
   void publish(const py::handle& tensors, std::uint64_t version, std::uint32_t bucket_index,
                std::uint32_t bucket_count, const py::handle& groups, double timeout, bool in_place) {
     auto named = to_named(tensors);
-    auto bucket = torch_bridge::make_bucket(named, version, bucket_index, bucket_count);
-    add_groups(bucket.builder, groups);
+    auto group_list = to_groups(groups);
     bool published;
-    {
+    if (in_place) {
       py::gil_scoped_release unlocked;
-      if (in_place && groups.is_none()) {
-        published = torch_bridge::publish_in_place(publisher_, named, to_ms(timeout), version,
-                                                   bucket_index, bucket_count);
-      } else {
-        published = publisher_.publish(bucket.builder, to_ms(timeout));
-      }
+      published = torch_bridge::publish_in_place(publisher_, named, to_ms(timeout), version,
+                                                 bucket_index, bucket_count, group_list);
+    } else {
+      auto bucket = torch_bridge::make_bucket(named, version, bucket_index, bucket_count, group_list);
+      py::gil_scoped_release unlocked;
+      published = publisher_.publish(bucket.builder, to_ms(timeout));
     }
     if (!published) throw PublishTimeout{};
   }

@@ -43,14 +43,17 @@ struct TorchBucket {
   std::vector<at::Tensor> storage;
   BucketBuilder builder;
 };
+// `groups`: entries that must arrive together (ManifestGroup::members name entries).
 TorchBucket make_bucket(const NamedTensors& tensors, std::uint64_t version = 0,
-                        std::uint32_t bucket_index = 0, std::uint32_t bucket_count = 1);
+                        std::uint32_t bucket_index = 0, std::uint32_t bucket_count = 1,
+                        const std::vector<ManifestGroup>& groups = {});
 
 // The in-place path: reserves a slot laid out for `tensors`, copies each straight into shared
 // memory, and commits. False when no slot came free within `timeout` (nothing published).
 bool publish_in_place(Publisher& publisher, const NamedTensors& tensors,
                       std::chrono::milliseconds timeout, std::uint64_t version = 0,
-                      std::uint32_t bucket_index = 0, std::uint32_t bucket_count = 1);
+                      std::uint32_t bucket_index = 0, std::uint32_t bucket_count = 1,
+                      const std::vector<ManifestGroup>& groups = {});
 
 // Zero-copy views of every entry, in manifest order, that keep `bucket` leased while they live.
 NamedTensors tensors(std::shared_ptr<const ReceivedBucket> bucket);

@@ -15,7 +15,8 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 @pytest.fixture
 def channel(request):
-    return f"tbpy-{os.getpid()}-{request.node.name}"[:64]
+    name = "".join(c if c.isalnum() or c in "._-" else "-" for c in request.node.name)
+    return f"tbpy-{os.getpid()}-{name}"[:64]
 
 
 def test_round_trips_every_dtype_bit_exactly(channel):
@@ -46,11 +47,13 @@ def test_round_trips_every_dtype_bit_exactly(channel):
                 assert torch.equal(received[name], tensor), name
 
 
-def test_accepts_a_list_of_pairs_and_groups(channel):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_accepts_a_list_of_pairs_and_groups(channel, in_place):
     publisher = tensorbucket.Publisher(channel)
     subscriber = tensorbucket.Subscriber(channel, timeout=5)
     publisher.publish([("q.weight", torch.ones(4, dtype=torch.int8)), ("q.scales", torch.ones(1))],
-                      groups={"q": ["q.weight", "q.scales"]}, bucket_index=1, bucket_count=2)
+                      groups={"q": ["q.weight", "q.scales"]}, bucket_index=1, bucket_count=2,
+                      in_place=in_place)
     bucket = subscriber.next(timeout=5)
     assert (bucket.bucket_index, bucket.bucket_count) == (1, 2)
     assert set(bucket.tensors()) == {"q.weight", "q.scales"}
@@ -63,10 +66,13 @@ def test_refuses_a_meta_tensor_with_a_manifest_error(channel):
     assert publisher.published == 0
 
 
-def test_incomplete_group_is_a_manifest_error(channel):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_incomplete_group_is_a_manifest_error(channel, in_place):
     publisher = tensorbucket.Publisher(channel)
     with pytest.raises(tensorbucket.ManifestError, match="missing member 'q.scales'"):
-        publisher.publish({"q.weight": torch.ones(2)}, groups={"q": ["q.weight", "q.scales"]})
+        publisher.publish({"q.weight": torch.ones(2)}, groups={"q": ["q.weight", "q.scales"]},
+                          in_place=in_place)
+    assert publisher.published == 0
 
 
 def test_publish_without_a_free_slot_raises_timeout(channel):
