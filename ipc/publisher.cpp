@@ -276,8 +276,7 @@ Publisher& Publisher::operator=(Publisher&& other) noexcept {
 Publisher::~Publisher() { close(); }
 
 bool Publisher::publish(const BucketBuilder& bucket, std::chrono::milliseconds timeout) {
-  const auto& manifest = bucket.manifest();  // refuses incomplete groups before any claim
-  auto manifest_bytes = encode_manifest(manifest);
+  auto manifest_bytes = bucket.encoded_manifest();  // refuses incomplete groups before any claim
   auto payload_bytes = bucket.payload_bytes();
   auto base = state_->begin(payload_bytes, sizeof(BucketHeader) + manifest_bytes.size(), timeout);
   if (!base) return false;
@@ -293,7 +292,7 @@ bool Publisher::publish(const BucketBuilder& bucket, std::chrono::milliseconds t
 
 std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
                                               std::chrono::milliseconds timeout) {
-  auto manifest_bytes = encode_manifest(layout.manifest());
+  auto manifest_bytes = layout.encoded_manifest();
   auto payload_bytes = layout.payload_bytes();
   auto base = state_->begin(payload_bytes, sizeof(BucketHeader) + manifest_bytes.size(), timeout);
   if (!base) return std::nullopt;
@@ -307,7 +306,7 @@ std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
   }
   std::memset(payload.data() + written, 0, payload_bytes - written);
   state_->reservation_open = true;
-  return Reservation(state_.get(), std::move(manifest_bytes), payload_bytes,
+  return Reservation(state_.get(), {manifest_bytes.begin(), manifest_bytes.end()}, payload_bytes,
                      layout.entry_spans(payload));
 }
 

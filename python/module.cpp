@@ -98,9 +98,9 @@ class PyPublisher {
 class PyBucket {
  public:
   explicit PyBucket(ReceivedBucket bucket)
-      : version_(bucket.view().manifest().version),
-        bucket_index_(bucket.view().manifest().bucket_index),
-        bucket_count_(bucket.view().manifest().bucket_count),
+      : version_(bucket.view().version()),
+        bucket_index_(bucket.view().bucket_index()),
+        bucket_count_(bucket.view().bucket_count()),
         sequence_(bucket.sequence()),
         bucket_(std::make_shared<const ReceivedBucket>(std::move(bucket))) {}
 

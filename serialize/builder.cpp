@@ -8,6 +8,7 @@
 #include <new>
 
 #include "tensorbucket/bucket.hpp"
+#include "identity.hpp"
 #include "text.hpp"
 #include "verify.hpp"
 
@@ -62,6 +63,7 @@ void AlignedBuffer::Free::operator()(std::byte* p) const noexcept {
 
 BucketBuilder& BucketBuilder::version(std::uint64_t version) {
   manifest_.version = version;
+  restamp();
   return *this;
 }
 
@@ -72,10 +74,18 @@ BucketBuilder& BucketBuilder::bucket(std::uint32_t index, std::uint32_t count) {
   }
   manifest_.bucket_index = index;
   manifest_.bucket_count = count;
+  restamp();
   return *this;
 }
 
+void BucketBuilder::restamp() noexcept {
+  if (!encoded_.empty()) {
+    detail::stamp_identity(encoded_, {manifest_.version, manifest_.bucket_index, manifest_.bucket_count});
+  }
+}
+
 void BucketBuilder::append(std::string name, DType dtype, Shape shape) {
+  encoded_.clear();
   detail::check_name(name, manifest_.entries.size(), "entry");
   if (entry_index_.contains(name)) {
     fail(ErrorCode::DuplicateName, "entry name ", Quoted{name}, " was already added");
@@ -133,6 +143,7 @@ BucketBuilder& BucketBuilder::group(std::string name, std::vector<std::string> m
       }
     }
   }
+  encoded_.clear();
   for (const auto& member : members) {
     group_of_member_.emplace(member, name);
     if (auto entry = entry_index_.find(member); entry != entry_index_.end()) {
@@ -153,6 +164,11 @@ const Manifest& BucketBuilder::manifest() const {
     }
   }
   return manifest_;
+}
+
+std::span<const std::byte> BucketBuilder::encoded_manifest() const {
+  if (encoded_.empty()) encoded_ = encode_manifest(manifest());
+  return encoded_;
 }
 
 void BucketBuilder::pack_into(std::span<std::byte> payload) const {

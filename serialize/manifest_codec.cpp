@@ -24,6 +24,7 @@
 #include <streambuf>
 
 #include "tensorbucket/error.hpp"
+#include "identity.hpp"
 #include "tensorbucket/manifest.hpp"
 #include "text.hpp"
 
@@ -184,6 +185,25 @@ class Decoder {
   cereal::PortableBinaryInputArchive archive_;
 };
 
+// Little-endian u32 and u64 at a byte offset, as cereal's portable archive writes them.
+template <class T>
+T to_little_endian(T value) {
+  if constexpr (std::endian::native == std::endian::little) return value;
+  else if constexpr (sizeof(T) == 8) return __builtin_bswap64(value);
+  else return __builtin_bswap32(value);
+}
+template <class T>
+T load_le(const std::byte* at) {
+  T value;
+  std::memcpy(&value, at, sizeof value);
+  return to_little_endian(value);
+}
+template <class T>
+void store_le(std::byte* at, T value) {
+  value = to_little_endian(value);
+  std::memcpy(at, &value, sizeof value);
+}
+
 std::uint64_t bounded(std::uint64_t value, std::uint64_t limit, const char* what) {
   if (value > limit) {
     text::fail(ErrorCode::ManifestCorrupt, "manifest declares ", value, ' ', what,
@@ -329,6 +349,25 @@ Manifest decode_manifest(std::span<const std::byte> bytes) {
   } catch (const cereal::Exception& e) {
     // cereal reports a read past the end of the bytes this way.
     text::fail(ErrorCode::ManifestCorrupt, "manifest is truncated: ", e.what());
+  }
+}
+
+detail::BucketIdentity detail::read_identity(std::span<const std::byte> encoded) noexcept {
+  const auto* at = encoded.data() + kIdentityOffset;
+  return {load_le<std::uint64_t>(at), load_le<std::uint32_t>(at + 8), load_le<std::uint32_t>(at + 12)};
+}
+
+void detail::stamp_identity(std::span<std::byte> encoded, const BucketIdentity& identity) noexcept {
+  auto* at = encoded.data() + kIdentityOffset;
+  store_le(at, identity.version);
+  store_le(at + 8, identity.bucket_index);
+  store_le(at + 12, identity.bucket_count);
+}
+
+void detail::check_identity(const BucketIdentity& identity) {
+  if (identity.bucket_count == 0 || identity.bucket_index >= identity.bucket_count) {
+    text::fail(ErrorCode::ManifestCorrupt, "bucket index ", identity.bucket_index,
+               " is not below bucket count ", identity.bucket_count);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "identity.hpp"
 #include "tensorbucket/error.hpp"
 #include "text.hpp"
 
@@ -170,10 +171,7 @@ void detail::verify_manifest(const Manifest& manifest, std::uint64_t payload_byt
     fail(ErrorCode::ManifestCorrupt, "manifest has ", manifest.entries.size(),
          " entries; the limit is ", kMaxEntries);
   }
-  if (manifest.bucket_count == 0 || manifest.bucket_index >= manifest.bucket_count) {
-    fail(ErrorCode::ManifestCorrupt, "bucket index ", manifest.bucket_index,
-         " is not below bucket count ", manifest.bucket_count);
-  }
+  check_identity({manifest.version, manifest.bucket_index, manifest.bucket_count});
   for (std::size_t i = 0; i < manifest.entries.size(); ++i) {
     check_name(manifest.entries[i].name, i, "entry");
     check_entry(manifest.entries[i], payload_bytes);

@@ -3,6 +3,7 @@
 // matches, and the payload is hashed only after the manifest proved it fits.
 #include <cstring>
 
+#include "identity.hpp"
 #include "tensorbucket/bucket.hpp"
 #include "text.hpp"
 #include "verified_manifest.hpp"
@@ -19,6 +20,10 @@ std::shared_ptr<const detail::VerifiedManifest> verify(std::span<const std::byte
   auto verified = std::make_shared<detail::VerifiedManifest>();
   verified->manifest = decode_manifest(encoded);
   detail::verify_manifest(verified->manifest, payload_bytes, verified->index);
+  // Views read their identity from their own bytes; the layout carries none.
+  verified->manifest.version = 0;
+  verified->manifest.bucket_index = 0;
+  verified->manifest.bucket_count = 1;
   verified->payload_bytes = payload_bytes;
   verified->bytes.assign(encoded.begin(), encoded.end());
   return verified;
@@ -27,17 +32,26 @@ std::shared_ptr<const detail::VerifiedManifest> verify(std::span<const std::byte
 }  // namespace
 
 std::shared_ptr<const detail::VerifiedManifest> ManifestCache::verified(
-    std::span<const std::byte> encoded, std::uint64_t hash, std::uint64_t payload_bytes) {
-  auto found = entries_.find(hash);
-  // memcmp, not std::equal: libstdc++ compares std::byte ranges one byte at a time.
+    std::span<const std::byte> encoded, std::uint64_t payload_bytes) {
+  // Too short to hold the identity fields: it cannot decode, so let verify() say why.
+  if (encoded.size() < detail::kIdentityEnd) return verify(encoded, payload_bytes);
+  // The same layout with any identity: every byte equal but the identity fields.
+  auto same_layout = [&](const std::vector<std::byte>& known) {
+    // memcmp, not std::equal: libstdc++ compares std::byte ranges one byte at a time.
+    return known.size() == encoded.size() &&
+           std::memcmp(known.data(), encoded.data(), detail::kIdentityOffset) == 0 &&
+           std::memcmp(known.data() + detail::kIdentityEnd, encoded.data() + detail::kIdentityEnd,
+                       encoded.size() - detail::kIdentityEnd) == 0;
+  };
+  auto key = xxh3(encoded.subspan(detail::kIdentityEnd));
+  auto found = entries_.find(key);
   if (found != entries_.end() && found->second->payload_bytes == payload_bytes &&
-      found->second->bytes.size() == encoded.size() &&
-      std::memcmp(found->second->bytes.data(), encoded.data(), encoded.size()) == 0) {
+      same_layout(found->second->bytes)) {
     return found->second;
   }
   auto fresh = verify(encoded, payload_bytes);
   if (entries_.size() >= capacity_) entries_.clear();  // a producer has few distinct layouts
-  entries_[hash] = fresh;
+  entries_[key] = fresh;
   return fresh;
 }
 
@@ -55,21 +69,29 @@ BucketView BucketView::open(std::span<const std::byte> frame, std::span<const st
   payload = payload.first(header.payload_bytes);
 
   auto encoded = manifest_bytes(header, frame);
-  auto verified = cache != nullptr
-                      ? cache->verified(encoded, header.manifest_xxh3, header.payload_bytes)
-                      : verify(encoded, header.payload_bytes);
+  auto verified = cache != nullptr ? cache->verified(encoded, header.payload_bytes)
+                                  : verify(encoded, header.payload_bytes);
+  // Decoded and verified above, so the fields are there; a cached layout did not check them.
+  auto identity = detail::read_identity(encoded);
+  detail::check_identity(identity);
   if (options.expected != nullptr) check_expected(verified->manifest, *options.expected);
   if ((header.flags & kPayloadChecksum) && options.check_payload_checksum &&
       xxh3(payload) != header.payload_xxh3) {
     fail(ErrorCode::ChecksumMismatch, "payload hash 0x", std::hex, xxh3(payload),
          " does not match the header's 0x", header.payload_xxh3);
   }
-  return BucketView(std::move(verified), payload);
+  return BucketView(std::move(verified), payload, identity.version, identity.bucket_index,
+                    identity.bucket_count);
 }
 
 BucketView::BucketView(std::shared_ptr<const detail::VerifiedManifest> verified,
-                       std::span<const std::byte> payload)
-    : verified_(std::move(verified)), payload_(payload) {}
+                       std::span<const std::byte> payload, std::uint64_t version,
+                       std::uint32_t bucket_index, std::uint32_t bucket_count)
+    : verified_(std::move(verified)),
+      payload_(payload),
+      version_(version),
+      bucket_index_(bucket_index),
+      bucket_count_(bucket_count) {}
 
 const Manifest& BucketView::manifest() const noexcept {
   static const Manifest kEmpty;  // what a moved-from view shows

@@ -58,7 +58,7 @@ NamedTensors round_trip(const NamedTensors& tensors, bool in_place) {
   }
   auto received = subscriber.next(1s);
   EXPECT_TRUE(received.has_value());
-  EXPECT_EQ(received->view().manifest().version, 7u);
+  EXPECT_EQ(received->view().version(), 7u);
   // The tensors keep the bucket, and its mapping, alive after the channel objects are gone.
   return torch_bridge::tensors(std::make_shared<const ReceivedBucket>(std::move(*received)));
 }

@@ -108,11 +108,30 @@ TEST(Builder, PackedBucketOpensAsVerifiedViews) {
   builder.group("quant", {"w", "s"});
   auto packed = builder.pack({.payload_checksum = true});
   auto view = BucketView::open(packed.frame, packed.payload.span());
-  EXPECT_EQ(view.manifest().version, 42u);
-  EXPECT_EQ(view.manifest().bucket_index, 2u);
-  EXPECT_EQ(view.manifest().bucket_count, 5u);
+  EXPECT_EQ(view.version(), 42u);
+  EXPECT_EQ(view.bucket_index(), 2u);
+  EXPECT_EQ(view.bucket_count(), 5u);
   EXPECT_EQ(view.find("s")->group, "quant");
   EXPECT_EQ(std::memcmp(view.find("w")->bytes.data(), w.data(), w.size() * 2), 0);
+}
+
+// The kept encoding follows every change: restamped for identity, re-encoded for layout.
+TEST(Builder, EncodedManifestFollowsEveryChange) {
+  std::vector<float> data(4);
+  BucketBuilder builder;
+  builder.add("a", DType::F32, {4}, data.data());
+  auto first = std::vector<std::byte>(builder.encoded_manifest().begin(), builder.encoded_manifest().end());
+  EXPECT_EQ(first, encode_manifest(builder.manifest()));
+  builder.version(9).bucket(1, 3);
+  EXPECT_NE(std::vector<std::byte>(builder.encoded_manifest().begin(), builder.encoded_manifest().end()), first);
+  auto restamped = decode_manifest(builder.encoded_manifest());
+  EXPECT_EQ(restamped, builder.manifest());
+  EXPECT_EQ(restamped.version, 9u);
+  EXPECT_EQ(restamped.bucket_index, 1u);
+  builder.add("b", DType::F32, {4}, data.data());
+  EXPECT_EQ(decode_manifest(builder.encoded_manifest()), builder.manifest());
+  builder.group("g", {"a", "b"});
+  EXPECT_EQ(decode_manifest(builder.encoded_manifest()), builder.manifest());
 }
 
 TEST(Builder, RefusesDuplicateName) {

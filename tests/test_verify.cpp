@@ -291,6 +291,51 @@ TEST(ManifestCache, VerifiesAgainWhenThePayloadSizeDiffers) {
   EXPECT_FALSE(view.has_value());
 }
 
+// A producer sends the same layout with a new version every step: one layout, many identities.
+TEST(ManifestCache, ReusesALayoutAcrossVersionsAndKeepsEachIdentity) {
+  Fixture f;
+  ManifestCache cache;
+  f.manifest.version = 7;
+  auto first = BucketView::open(f.frame(), f.payload.span(), {}, &cache);
+  f.manifest.version = 8;
+  f.manifest.bucket_index = 1;
+  f.manifest.bucket_count = 2;
+  auto second = BucketView::open(f.frame(), f.payload.span(), {}, &cache);
+  EXPECT_EQ(&first.manifest(), &second.manifest());
+  EXPECT_EQ(first.version(), 7u);
+  EXPECT_EQ(first.bucket_index(), 0u);
+  EXPECT_EQ(first.bucket_count(), 1u);
+  EXPECT_EQ(second.version(), 8u);
+  EXPECT_EQ(second.bucket_index(), 1u);
+  EXPECT_EQ(second.bucket_count(), 2u);
+  // The layout itself carries no identity, so it cannot be mistaken for either bucket's.
+  EXPECT_EQ(second.manifest().version, 0u);
+  EXPECT_EQ(second.manifest().bucket_count, 1u);
+}
+
+TEST(ManifestCache, StillChecksTheBucketFieldsOnAHit) {
+  Fixture f;
+  ManifestCache cache;
+  BucketView::open(f.frame(), f.payload.span(), {}, &cache);
+  f.manifest.bucket_index = 3;
+  f.manifest.bucket_count = 2;
+  std::optional<BucketView> view;
+  expect_error(ErrorCode::ManifestCorrupt,
+               [&] { view.emplace(BucketView::open(f.frame(), f.payload.span(), {}, &cache)); });
+  EXPECT_FALSE(view.has_value());
+}
+
+TEST(ManifestCache, VerifiesAgainWhenTheLayoutDiffers) {
+  Fixture f;
+  ManifestCache cache;
+  auto first = BucketView::open(f.frame(), f.payload.span(), {}, &cache);
+  f.manifest.entries[1].name = "v1";
+  auto second = BucketView::open(f.frame(), f.payload.span(), {}, &cache);
+  EXPECT_NE(&first.manifest(), &second.manifest());
+  EXPECT_TRUE(second.find("v1").has_value());
+  EXPECT_FALSE(second.find("w1").has_value());
+}
+
 TEST(ManifestCache, StillChecksTheExpectedManifestOnAHit) {
   Fixture f;
   ManifestCache cache;

@@ -46,12 +46,12 @@ int run_consume(const ConsumeOptions& options) {
     if (options.json) {
       std::printf("{\"index\":%llu,\"version\":%llu,\"entries\":%zu,\"bytes\":%llu,\"latency_us\":%.1f,\"ok\":%s}\n",
                   static_cast<unsigned long long>(bucket->sequence()),
-                  static_cast<unsigned long long>(view.manifest().version), view.size(),
+                  static_cast<unsigned long long>(view.version()), view.size(),
                   static_cast<unsigned long long>(bytes), latency_us, problem.empty() ? "true" : "false");
     } else {
       std::printf("bucket %llu: version %llu, %zu entries, %llu bytes, %.1f us%s\n",
                   static_cast<unsigned long long>(bucket->sequence()),
-                  static_cast<unsigned long long>(view.manifest().version), view.size(),
+                  static_cast<unsigned long long>(view.version()), view.size(),
                   static_cast<unsigned long long>(bytes), latency_us,
                   options.verify ? (problem.empty() ? ", verified" : ", MISMATCH") : "");
     }

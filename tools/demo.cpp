@@ -112,7 +112,7 @@ int serve(const std::string& channel, const DemoOptions& options, int report) {
     auto now_ns = static_cast<std::uint64_t>(now.tv_sec) * 1'000'000'000u + static_cast<std::uint64_t>(now.tv_nsec);
     latencies_us.push_back(static_cast<double>(now_ns - bucket->publish_start_ns()) / 1000);
     const auto& view = bucket->view();
-    bool same = view.manifest().bucket_index == b && view.size() == buckets[b].size();
+    bool same = view.bucket_index() == b && view.size() == buckets[b].size();
     for (const auto* t : buckets[b]) {
       auto tensor = view.find(t->name);
       same = same && tensor && tensor->bytes.size() == t->bytes.size() &&

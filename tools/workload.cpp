@@ -67,8 +67,8 @@ BucketBuilder make_layout(const Workload& workload, std::uint64_t index) {
 
 std::string check_bucket(const BucketView& view, std::uint64_t seed, std::uint64_t index) {
   auto where = "bucket " + std::to_string(index);
-  if (view.manifest().version != index) {
-    return where + " has version " + std::to_string(view.manifest().version);
+  if (view.version() != index) {
+    return where + " has version " + std::to_string(view.version());
   }
   Workload workload{.seed = seed};
   std::vector<std::byte> expected;

@@ -82,6 +82,11 @@ class BucketBuilder {
   // The manifest so far. Throws IncompleteGroup when a declared group lacks a member.
   const Manifest& manifest() const;
 
+  // The manifest's encoding, as manifest() throws. Kept between calls: version() and bucket()
+  // restamp it in place, so a builder republished every step with a new version is encoded
+  // once. Valid until the next non-const call.
+  std::span<const std::byte> encoded_manifest() const;
+
   // Copies every entry into `payload` and zeroes the padding between entries. InvalidArgument
   // if `payload` is too small or an entry was declare()d (those are written in place).
   void pack_into(std::span<std::byte> payload) const;
@@ -94,12 +99,14 @@ class BucketBuilder {
 
  private:
   void append(std::string name, DType dtype, Shape shape);
+  void restamp() noexcept;  // the identity fields into encoded_, when kept
 
   Manifest manifest_;
   std::vector<const std::byte*> sources_;  // per entry; null for declare()d entries
   std::unordered_map<std::string, std::size_t> entry_index_;
   std::unordered_map<std::string, std::string> group_of_member_;
   std::uint64_t payload_bytes_ = 0;
+  mutable std::vector<std::byte> encoded_;  // empty until encoded_manifest(), and after changes
 };
 
 // One entry of a verified bucket; points into the payload (no copy).
@@ -111,22 +118,22 @@ struct TensorView {
   std::string_view group;  // empty when the entry belongs to no group
 };
 
-// Manifests a consumer already verified. Producers usually send the same layout every step
-// (same names, shapes and offsets; new bytes), so a hit costs one compare of the manifest bytes
-// instead of a decode and every rule. A hit requires the exact bytes and the same payload size
-// the manifest was verified against. Not synchronized: one per consumer thread.
+// Layouts a consumer already verified. Producers usually send the same layout every step (same
+// names, shapes and offsets; a new version and new bytes), so a hit costs a hash and a compare
+// of the manifest bytes instead of a decode and every rule. A hit requires every byte but the
+// identity fields (version, bucket_index, bucket_count) to be equal, and the same payload size
+// the layout was verified against. Not synchronized: one per consumer thread.
 class ManifestCache {
  public:
   explicit ManifestCache(std::size_t capacity = 64) : capacity_(capacity) {}
 
  private:
   friend class BucketView;
-  // The verified manifest for `encoded` (whose xxh3 is `hash`), reused or verified and kept.
+  // The verified layout of `encoded`, reused or verified and kept.
   std::shared_ptr<const detail::VerifiedManifest> verified(std::span<const std::byte> encoded,
-                                                           std::uint64_t hash,
                                                            std::uint64_t payload_bytes);
   std::size_t capacity_;
-  // Keyed by the manifest's xxh3; the bytes are compared on every hit.
+  // Keyed by the xxh3 of the bytes after the identity fields; the bytes are compared on a hit.
   std::unordered_map<std::uint64_t, std::shared_ptr<const detail::VerifiedManifest>> entries_;
 };
 
@@ -146,7 +153,15 @@ class BucketView {
   static BucketView open(std::span<const std::byte> frame, std::span<const std::byte> payload,
                          const VerifyOptions& options = {}, ManifestCache* cache = nullptr);
 
-  // Copies share the (immutable) verified manifest. A moved-from view is empty.
+  // This bucket's identity, from its manifest.
+  std::uint64_t version() const noexcept { return version_; }
+  std::uint32_t bucket_index() const noexcept { return bucket_index_; }
+  std::uint32_t bucket_count() const noexcept { return bucket_count_; }
+
+  // The verified layout: entries and groups, shared (immutable) by copies of this view and by
+  // every bucket of the same layout, so its version, bucket_index and bucket_count are left at
+  // their defaults (0, 0, 1): read this bucket's from the accessors above. A moved-from view
+  // is empty.
   const Manifest& manifest() const noexcept;
   std::size_t size() const noexcept { return manifest().entries.size(); }
   TensorView operator[](std::size_t index) const;
@@ -154,10 +169,14 @@ class BucketView {
 
  private:
   BucketView(std::shared_ptr<const detail::VerifiedManifest> verified,
-             std::span<const std::byte> payload);
+             std::span<const std::byte> payload, std::uint64_t version,
+             std::uint32_t bucket_index, std::uint32_t bucket_count);
 
   std::shared_ptr<const detail::VerifiedManifest> verified_;
   std::span<const std::byte> payload_;
+  std::uint64_t version_ = 0;
+  std::uint32_t bucket_index_ = 0;
+  std::uint32_t bucket_count_ = 1;
 };
 
 }  // namespace tensorbucket
