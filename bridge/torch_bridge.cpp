@@ -1,5 +1,6 @@
 #include "tensorbucket/torch.hpp"
 
+#include <algorithm>
 #include <cstring>
 
 #include "serialize/text.hpp"
@@ -57,18 +58,10 @@ void add_groups(BucketBuilder& builder, const std::vector<ManifestGroup>& groups
   for (const auto& group : groups) builder.group(group.name, group.members);
 }
 
-// The layout of `tensors` with every entry declare()d, after checking them all.
-BucketBuilder layout_of(const NamedTensors& tensors, std::uint64_t version,
-                        std::uint32_t bucket_index, std::uint32_t bucket_count,
-                        const std::vector<ManifestGroup>& groups) {
-  BucketBuilder builder;
-  builder.version(version).bucket(bucket_index, bucket_count);
-  for (const auto& [name, tensor] : tensors) {
-    check_sendable(name, tensor);
-    builder.declare(name, dtype_of(tensor.scalar_type(), name), shape_of(tensor));
-  }
-  add_groups(builder, groups);
-  return builder;
+// Whether a tensor's bytes, read straight from data_ptr(), are its values in row-major order.
+// Lazy negation and conjugation leave the stored bytes unresolved.
+bool plain_bytes(const at::Tensor& tensor) {
+  return tensor.is_contiguous() && !tensor.is_neg() && !tensor.is_conj();
 }
 
 // A tensor over `bytes` of `entry`, with `keep_alive` released when its storage dies.
@@ -130,7 +123,8 @@ TorchBucket make_bucket(const NamedTensors& tensors, std::uint64_t version,
   // used as it is; others are copied once, outside autograd.
   at::NoGradGuard no_grad;
   for (const auto& [name, tensor] : tensors) {
-    auto& stored = bucket.storage.emplace_back(tensor.is_contiguous() ? tensor : tensor.contiguous());
+    auto& stored = bucket.storage.emplace_back(
+        plain_bytes(tensor) ? tensor : tensor.resolve_conj().resolve_neg().contiguous());
     bucket.builder.add(name, dtype_of(stored.scalar_type(), name), shape_of(stored),
                        stored.numel() == 0 ? nullptr : stored.data_ptr());
   }
@@ -138,23 +132,72 @@ TorchBucket make_bucket(const NamedTensors& tensors, std::uint64_t version,
   return bucket;
 }
 
+BucketBuilder layout_of(const NamedTensors& tensors, std::uint64_t version,
+                        std::uint32_t bucket_index, std::uint32_t bucket_count,
+                        const std::vector<ManifestGroup>& groups) {
+  BucketBuilder layout;
+  layout.version(version).bucket(bucket_index, bucket_count);
+  for (const auto& [name, tensor] : tensors) {
+    check_sendable(name, tensor);
+    layout.declare(name, dtype_of(tensor.scalar_type(), name), shape_of(tensor));
+  }
+  add_groups(layout, groups);
+  return layout;
+}
+
+bool fits(const at::Tensor& tensor, const ManifestEntry& entry) noexcept {
+  if (!tensor.defined() || tensor.is_meta() || tensor.is_quantized() ||
+      tensor.layout() != at::kStrided || !tensor.device().is_cpu()) {
+    return false;
+  }
+  auto sizes = tensor.sizes();
+  bool same_dtype = std::any_of(std::begin(kPairs), std::end(kPairs), [&](const Pair& pair) {
+    return pair.type == tensor.scalar_type() && pair.dtype == entry.dtype;
+  });
+  return same_dtype && std::equal(sizes.begin(), sizes.end(), entry.shape.begin(), entry.shape.end());
+}
+
+bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
+                      std::span<const at::Tensor> tensors, std::chrono::milliseconds timeout) {
+  const auto& entries = layout.manifest().entries;
+  if (tensors.size() != entries.size()) {
+    fail(ErrorCode::InvalidArgument, "layout has ", entries.size(), " entries but ",
+         tensors.size(), " tensors were given");
+  }
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (!fits(tensors[i], entries[i])) {
+      fail(ErrorCode::InvalidArgument, "tensor ", i, " does not fit entry ", Quoted{entries[i].name},
+           " of the layout");
+    }
+  }
+  auto reservation = publisher.reserve(layout, timeout);
+  if (!reservation) return false;
+  auto spans = reservation->entry_spans();
+  at::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const auto& tensor = tensors[i];
+    if (spans[i].empty()) continue;
+    if (plain_bytes(tensor)) {
+      std::memcpy(spans[i].data(), tensor.data_ptr(), spans[i].size());
+    } else {
+      // copy_ lays out any strides row-major (and resolves lazy negation), straight into
+      // shared memory.
+      view_of(entries[i], spans[i], nullptr).copy_(tensor.detach());
+    }
+  }
+  reservation->commit();
+  return true;
+}
+
 bool publish_in_place(Publisher& publisher, const NamedTensors& tensors,
                       std::chrono::milliseconds timeout, std::uint64_t version,
                       std::uint32_t bucket_index, std::uint32_t bucket_count,
                       const std::vector<ManifestGroup>& groups) {
   auto layout = layout_of(tensors, version, bucket_index, bucket_count, groups);
-  auto reservation = publisher.reserve(layout, timeout);
-  if (!reservation) return false;
-  const auto& entries = layout.manifest().entries;
-  auto spans = reservation->entry_spans();
-  at::NoGradGuard no_grad;
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    // copy_ lays out any strides row-major, straight into shared memory.
-    auto destination = view_of(entries[i], spans[i], nullptr);
-    destination.copy_(tensors[i].second.detach());
-  }
-  reservation->commit();
-  return true;
+  std::vector<at::Tensor> in_order;
+  in_order.reserve(tensors.size());
+  for (const auto& named : tensors) in_order.push_back(named.second);
+  return publish_in_place(publisher, layout, in_order, timeout);
 }
 
 NamedTensors tensors(std::shared_ptr<const ReceivedBucket> bucket) {

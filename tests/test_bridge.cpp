@@ -79,8 +79,12 @@ TEST(TorchBridge, StridedAndGradTensorsTravelByValue) {
   auto transposed = torch::arange(24, at::kFloat).reshape({4, 6}).t();
   auto sliced = torch::arange(20, at::kLong).slice(0, 1, 20, 3);
   auto trained = torch::randn({5}, torch::requires_grad());
+  // Lazily negated: its stored bytes are not its values.
+  auto negated = torch::_neg_view(torch::arange(6, at::kFloat));
   ASSERT_FALSE(transposed.is_contiguous());
-  NamedTensors sent{{"transposed", transposed}, {"sliced", sliced}, {"trained", trained}};
+  ASSERT_TRUE(negated.is_neg());
+  NamedTensors sent{{"transposed", transposed}, {"sliced", sliced}, {"trained", trained},
+                    {"negated", negated}};
   for (bool in_place : {false, true}) {
     auto received = round_trip(sent, in_place);
     for (std::size_t i = 0; i < sent.size(); ++i) {
@@ -88,6 +92,36 @@ TEST(TorchBridge, StridedAndGradTensorsTravelByValue) {
       EXPECT_FALSE(received[i].second.requires_grad());
     }
   }
+}
+
+// A trainer's loop: one layout, then every step only the bytes (and the version) change.
+TEST(TorchBridge, AKeptLayoutPublishesEveryStepWithItsVersion) {
+  auto channel = channel_for_test();
+  auto publisher = Publisher::create(channel);
+  auto subscriber = Subscriber::attach(channel, 1s);
+  NamedTensors weights{{"w", torch::zeros({8, 4})}, {"b", torch::zeros({4}, at::kDouble)}};
+  auto layout = torch_bridge::layout_of(weights);
+  std::vector<at::Tensor> in_order{weights[0].second, weights[1].second};
+  for (std::uint64_t step = 1; step <= 3; ++step) {
+    for (auto& tensor : in_order) tensor.fill_(static_cast<double>(step));  // the optimizer
+    ASSERT_TRUE(torch_bridge::publish_in_place(publisher, layout.version(step), in_order, 1s));
+    auto received = subscriber.next(1s);
+    ASSERT_TRUE(received.has_value());
+    EXPECT_EQ(received->view().version(), step);
+    auto views = torch_bridge::tensors(std::make_shared<const ReceivedBucket>(std::move(*received)));
+    for (std::size_t i = 0; i < views.size(); ++i) {
+      EXPECT_TRUE(torch::equal(views[i].second, in_order[i])) << views[i].first << " step " << step;
+    }
+  }
+  EXPECT_TRUE(torch_bridge::fits(torch::ones({8, 4}), layout.manifest().entries[0]));
+  EXPECT_FALSE(torch_bridge::fits(torch::ones({4, 8}), layout.manifest().entries[0]));
+  EXPECT_FALSE(torch_bridge::fits(torch::ones({8, 4}, at::kDouble), layout.manifest().entries[0]));
+  EXPECT_FALSE(torch_bridge::fits(torch::empty({8, 4}, at::kMeta), layout.manifest().entries[0]));
+  // A tensor that no longer fits is refused before anything is reserved or published.
+  std::vector<at::Tensor> reshaped{torch::zeros({4, 8}), weights[1].second};
+  expect_error(ErrorCode::InvalidArgument,
+               [&] { torch_bridge::publish_in_place(publisher, layout, reshaped, 1s); });
+  EXPECT_EQ(publisher.published(), 3u);
 }
 
 TEST(TorchBridge, Seed002RefusesMetaTensors) {

@@ -55,6 +55,19 @@ bool publish_in_place(Publisher& publisher, const NamedTensors& tensors,
                       std::uint32_t bucket_index = 0, std::uint32_t bucket_count = 1,
                       const std::vector<ManifestGroup>& groups = {});
 
+// For a producer that publishes the same tensors every step, the two halves of the call above:
+// layout_of() checks the tensors (refusing as make_bucket does) and declares them once;
+// publish_in_place() then only copies, restamping the layout's kept encoding with the
+// builder's version. `tensors` follow the layout's entries in order, each fitting its entry.
+BucketBuilder layout_of(const NamedTensors& tensors, std::uint64_t version = 0,
+                        std::uint32_t bucket_index = 0, std::uint32_t bucket_count = 1,
+                        const std::vector<ManifestGroup>& groups = {});
+bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
+                      std::span<const at::Tensor> tensors, std::chrono::milliseconds timeout);
+// Whether `tensor` can travel as `entry` of a kept layout: same dtype and shape, and nothing
+// layout_of() would refuse. Cheap enough to ask of every tensor on every step.
+bool fits(const at::Tensor& tensor, const ManifestEntry& entry) noexcept;
+
 // Zero-copy views of every entry, in manifest order, that keep `bucket` leased while they live.
 NamedTensors tensors(std::shared_ptr<const ReceivedBucket> bucket);
 // Views over an in-process bucket; `view`'s payload must outlive them.
