@@ -178,7 +178,7 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
     const auto& tensor = tensors[i];
     if (spans[i].empty()) continue;
     if (plain_bytes(tensor)) {
-      std::memcpy(spans[i].data(), tensor.data_ptr(), spans[i].size());
+      reservation->write(i, tensor.data_ptr());
     } else {
       // copy_ lays out any strides row-major (and resolves lazy negation), straight into
       // shared memory.
@@ -206,6 +206,11 @@ NamedTensors tensors(std::shared_ptr<const ReceivedBucket> bucket) {
 }
 
 NamedTensors tensors(const BucketView& view) { return views_of(view, nullptr); }
+
+at::Tensor tensor(std::shared_ptr<const ReceivedBucket> bucket, std::size_t index) {
+  const auto& view = bucket->view();
+  return view_of(view.manifest().entries.at(index), view[index].bytes, std::move(bucket));
+}
 
 Manifest expected_manifest(const torch::nn::Module& module) {
   Manifest manifest;

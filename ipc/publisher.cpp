@@ -7,6 +7,7 @@
 #include "control.hpp"
 #include "futex.hpp"
 #include "segment.hpp"
+#include "serialize/copy.hpp"
 #include "serialize/text.hpp"
 #include "tensorbucket/channel.hpp"
 
@@ -307,7 +308,7 @@ std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
   std::memset(payload.data() + written, 0, payload_bytes - written);
   state_->reservation_open = true;
   return Reservation(state_.get(), {manifest_bytes.begin(), manifest_bytes.end()}, payload_bytes,
-                     layout.entry_spans(payload));
+                     layout.entry_spans(payload), detail::streams(payload));
 }
 
 bool Publisher::drain(std::chrono::milliseconds timeout) {
@@ -340,17 +341,28 @@ std::uint64_t Publisher::published() const noexcept { return state_->published; 
 const std::string& Publisher::channel() const noexcept { return state_->channel; }
 
 Reservation::Reservation(detail::PublisherState* state, std::vector<std::byte> manifest_bytes,
-                         std::uint64_t payload_bytes, std::vector<std::span<std::byte>> spans)
+                         std::uint64_t payload_bytes, std::vector<std::span<std::byte>> spans,
+                         bool streaming)
     : state_(state),
       manifest_bytes_(std::move(manifest_bytes)),
       payload_bytes_(payload_bytes),
-      spans_(std::move(spans)) {}
+      spans_(std::move(spans)),
+      streaming_(streaming) {}
 
 Reservation::Reservation(Reservation&& other) noexcept
     : state_(std::exchange(other.state_, nullptr)),
       manifest_bytes_(std::move(other.manifest_bytes_)),
       payload_bytes_(other.payload_bytes_),
-      spans_(std::move(other.spans_)) {}
+      spans_(std::move(other.spans_)),
+      streaming_(other.streaming_) {}
+
+void Reservation::write(std::size_t index, const void* data) {
+  if (index >= spans_.size()) {
+    fail(ErrorCode::InvalidArgument, "entry ", index, " is past the last of ", spans_.size());
+  }
+  detail::copy_bytes(spans_[index].data(), static_cast<const std::byte*>(data),
+                     spans_[index].size(), streaming_);
+}
 
 Reservation::~Reservation() {
   if (state_ == nullptr) return;
@@ -360,6 +372,7 @@ Reservation::~Reservation() {
 
 void Reservation::commit() {
   if (state_ == nullptr) fail(ErrorCode::InvalidArgument, "reservation was already committed");
+  if (streaming_) detail::finish_streaming();
   auto* state = std::exchange(state_, nullptr);
   state->reservation_open = false;
   // For the in-place path the handoff starts here: the writing before it is the caller's.

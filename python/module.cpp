@@ -22,17 +22,43 @@ std::chrono::milliseconds to_ms(double seconds) {
   return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000));
 }
 
-// A dict {name: tensor} or an iterable of (name, tensor) pairs, in its order.
-NamedTensors to_named(const py::handle& tensors) {
-  NamedTensors out;
-  py::iterable items = py::isinstance<py::dict>(tensors)
-                           ? py::iterable(tensors.attr("items")())
-                           : py::reinterpret_borrow<py::iterable>(tensors);
+// Calls visit(name, tensor) for each item of a mapping {name: tensor} (a dict, a Bucket) or of
+// an iterable of (name, tensor) pairs, in its order. Borrowed handles, valid during the call.
+template <class Visit>
+void for_each_item(const py::handle& tensors, Visit&& visit) {
+  if (PyDict_Check(tensors.ptr())) {
+    PyObject *key, *value;
+    Py_ssize_t at = 0;
+    while (PyDict_Next(tensors.ptr(), &at, &key, &value)) visit(py::handle(key), py::handle(value));
+    return;
+  }
+  py::iterable items = py::hasattr(tensors, "items") ? py::iterable(tensors.attr("items")())
+                                                      : py::reinterpret_borrow<py::iterable>(tensors);
   for (auto item : items) {
     auto pair = item.cast<py::tuple>();
     if (pair.size() != 2) throw Error(ErrorCode::InvalidArgument, "expected (name, tensor) pairs");
-    out.emplace_back(pair[0].cast<std::string>(), pair[1].cast<at::Tensor>());
+    visit(pair[0], pair[1]);
   }
+}
+
+// The tensor a Python object holds; InvalidArgument naming the entry otherwise.
+const at::Tensor& tensor_of(const py::handle& value, const std::string& name) {
+  if (!THPVariable_Check(value.ptr())) {
+    throw Error(ErrorCode::InvalidArgument, "entry '" + name + "' is a " +
+                                                std::string(Py_TYPE(value.ptr())->tp_name) +
+                                                ", not a torch.Tensor");
+  }
+  return THPVariable_Unpack(value.ptr());
+}
+
+NamedTensors to_named(const py::handle& tensors, std::vector<py::object>* keys = nullptr) {
+  NamedTensors out;
+  for_each_item(tensors, [&](py::handle key, py::handle value) {
+    auto name = key.cast<std::string>();
+    const auto& tensor = tensor_of(value, name);
+    out.emplace_back(std::move(name), tensor);
+    if (keys != nullptr) keys->push_back(py::reinterpret_borrow<py::object>(key));
+  });
   return out;
 }
 
@@ -57,6 +83,20 @@ std::vector<ManifestGroup> to_groups(const py::handle& groups) {
   return out;
 }
 
+// Whether `key` names `name`: the same str object (a state_dict's keys usually are), or an
+// equal one.
+bool names(const py::handle& key, const py::object& kept_key, const std::string& name) {
+  if (key.ptr() == kept_key.ptr()) return true;
+  if (!PyUnicode_Check(key.ptr())) return false;
+  Py_ssize_t size = 0;
+  const char* utf8 = PyUnicode_AsUTF8AndSize(key.ptr(), &size);
+  if (utf8 == nullptr) {
+    PyErr_Clear();  // not encodable: not equal either; the slow path will say why
+    return false;
+  }
+  return std::string_view(utf8, static_cast<std::size_t>(size)) == name;
+}
+
 class PyPublisher {
  public:
   PyPublisher(const std::string& channel, std::uint32_t slots, std::uint32_t min_consumers,
@@ -67,20 +107,29 @@ class PyPublisher {
                                                .mode = mode,
                                                .payload_checksum = checksum})) {}
 
+  // Every call writes the tensors straight into the slot. A trainer sends the same names,
+  // dtypes and shapes every step: a call that matches the layout kept from the last one only
+  // checks and copies; any other call checks everything and keeps its layout instead.
   void publish(const py::handle& tensors, std::uint64_t version, std::uint32_t bucket_index,
-               std::uint32_t bucket_count, const py::handle& groups, double timeout, bool in_place) {
-    auto named = to_named(tensors);
+               std::uint32_t bucket_count, const py::handle& groups, double timeout) {
     auto group_list = to_groups(groups);
-    bool published;
-    if (in_place) {
-      py::gil_scoped_release unlocked;
-      published = torch_bridge::publish_in_place(publisher_, named, to_ms(timeout), version,
-                                                 bucket_index, bucket_count, group_list);
-    } else {
-      auto bucket = torch_bridge::make_bucket(named, version, bucket_index, bucket_count, group_list);
-      py::gil_scoped_release unlocked;
-      published = publisher_.publish(bucket.builder, to_ms(timeout));
+    staged_.clear();
+    if (!kept_ || kept_->groups != group_list || !stage_kept(tensors)) {
+      staged_.clear();
+      Kept fresh;
+      auto named = to_named(tensors, &fresh.keys);
+      fresh.builder = torch_bridge::layout_of(named, version, bucket_index, bucket_count, group_list);
+      fresh.groups = std::move(group_list);
+      for (auto& [name, tensor] : named) staged_.push_back(std::move(tensor));
+      kept_ = std::move(fresh);
     }
+    kept_->builder.version(version).bucket(bucket_index, bucket_count);
+    bool published;
+    {
+      py::gil_scoped_release unlocked;
+      published = torch_bridge::publish_in_place(publisher_, kept_->builder, staged_, to_ms(timeout));
+    }
+    staged_.clear();
     if (!published) throw PublishTimeout{};
   }
 
@@ -92,9 +141,35 @@ class PyPublisher {
   std::uint64_t published() const { return publisher_.published(); }
 
  private:
+  struct Kept {
+    std::vector<py::object> keys;  // the caller's name objects, for an identity compare
+    std::vector<ManifestGroup> groups;
+    BucketBuilder builder;  // every entry declared
+  };
+
+  // Fills staged_ when `tensors` fit the kept layout entry by entry; false at the first misfit.
+  bool stage_kept(const py::handle& tensors) {
+    const auto& entries = kept_->builder.manifest().entries;
+    std::size_t i = 0;
+    bool fit = true;
+    for_each_item(tensors, [&](py::handle key, py::handle value) {
+      fit = fit && i < entries.size() && names(key, kept_->keys[i], entries[i].name) &&
+            THPVariable_Check(value.ptr()) &&
+            torch_bridge::fits(THPVariable_Unpack(value.ptr()), entries[i]);
+      if (fit) staged_.push_back(THPVariable_Unpack(value.ptr()));
+      ++i;
+    });
+    return fit && i == entries.size();
+  }
+
   Publisher publisher_;
+  std::optional<Kept> kept_;
+  std::vector<at::Tensor> staged_;  // this call's tensors in layout order; reused for capacity
 };
 
+// A received bucket, read as a mapping {name: tensor} whose zero-copy views are made on first
+// access: most of a small handoff's cost in Python was making 1000 tensor objects nobody had
+// asked for yet. Each view keeps the lease, so it outlives release() and the Bucket.
 class PyBucket {
  public:
   explicit PyBucket(ReceivedBucket bucket)
@@ -102,11 +177,40 @@ class PyBucket {
         bucket_index_(bucket.view().bucket_index()),
         bucket_count_(bucket.view().bucket_count()),
         sequence_(bucket.sequence()),
-        bucket_(std::make_shared<const ReceivedBucket>(std::move(bucket))) {}
+        size_(bucket.view().size()),
+        bucket_(std::make_shared<const ReceivedBucket>(std::move(bucket))),
+        views_(size_) {}
 
-  py::dict tensors() const {
+  std::size_t size() const { return size_; }
+  bool contains(const py::handle& name) const {
+    return PyUnicode_Check(name.ptr()) && live()->view().position(name.cast<std::string_view>());
+  }
+  py::object get_item(std::string_view name) {
+    auto position = live()->view().position(name);
+    if (!position) throw py::key_error(std::string(name));
+    return view(*position);
+  }
+  py::list keys() const {
+    py::list out;
+    for (const auto& entry : live()->view().manifest().entries) out.append(py::str(entry.name));
+    return out;
+  }
+  py::list values() {
+    py::list out;
+    for (std::size_t i = 0; i < size_; ++i) out.append(view(i));
+    return out;
+  }
+  py::list items() {
+    py::list out;
+    const auto& entries = live()->view().manifest().entries;
+    for (std::size_t i = 0; i < size_; ++i) out.append(py::make_tuple(py::str(entries[i].name), view(i)));
+    return out;
+  }
+  // Every view at once, as a dict.
+  py::dict tensors() {
     py::dict out;
-    for (auto& [name, tensor] : torch_bridge::tensors(live())) out[py::str(name)] = tensor;
+    const auto& entries = live()->view().manifest().entries;
+    for (std::size_t i = 0; i < size_; ++i) out[py::str(entries[i].name)] = view(i);
     return out;
   }
   // Kept by value, so they stay readable after release().
@@ -114,19 +218,30 @@ class PyBucket {
   std::uint32_t bucket_index() const { return bucket_index_; }
   std::uint32_t bucket_count() const { return bucket_count_; }
   std::uint64_t sequence() const { return sequence_; }
-  // Drops this handle's hold; tensors already taken keep the lease until they die.
-  void release() { bucket_.reset(); }
+  // Drops this handle's hold, and its views; tensors already taken keep the lease until they die.
+  void release() {
+    bucket_.reset();
+    views_.clear();
+  }
 
  private:
   const std::shared_ptr<const ReceivedBucket>& live() const {
     if (!bucket_) throw Error(ErrorCode::InvalidArgument, "bucket was released");
     return bucket_;
   }
+  py::object view(std::size_t i) {
+    live();
+    if (!views_[i]) views_[i] = py::cast(torch_bridge::tensor(bucket_, i));
+    return views_[i];
+  }
+
   std::uint64_t version_;
   std::uint32_t bucket_index_;
   std::uint32_t bucket_count_;
   std::uint64_t sequence_;
+  std::size_t size_;
   std::shared_ptr<const ReceivedBucket> bucket_;
+  std::vector<py::object> views_;  // by entry position; empty until asked for
 };
 
 class PySubscriber {
@@ -157,12 +272,15 @@ class PySubscriber {
 // Strict load_state_dict: every problem in one error, nothing copied when any.
 void load_into(const py::object& module, const py::handle& tensors) {
   auto state = module.attr("state_dict")();
-  auto received = to_manifest(tensors);
-  check_expected(received, to_manifest(state));
-  auto named = to_named(tensors);
+  check_expected(to_manifest(tensors), to_manifest(state));
   auto targets = state.cast<py::dict>();
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (target, source)
+  for (auto& [name, tensor] : to_named(tensors)) {
+    copies.emplace_back(THPVariable_Unpack(targets[py::str(name)].ptr()), std::move(tensor));
+  }
+  py::gil_scoped_release unlocked;
   at::NoGradGuard no_grad;
-  for (const auto& [name, tensor] : named) targets[py::str(name)].cast<at::Tensor>().copy_(tensor);
+  for (auto& [target, source] : copies) target.copy_(source);
 }
 
 }  // namespace
@@ -204,8 +322,9 @@ PYBIND11_MODULE(tensorbucket, m) {
            py::arg("max_consumers") = 8, py::arg("checksum") = false, py::arg("mode") = 0600)
       .def("publish", &PyPublisher::publish, py::arg("tensors"), py::arg("version") = 0,
            py::arg("bucket_index") = 0, py::arg("bucket_count") = 1, py::arg("groups") = py::none(),
-           py::arg("timeout") = 10.0, py::arg("in_place") = false,
-           "Publish a dict or list of (name, tensor); raises Timeout when no slot comes free.")
+           py::arg("timeout") = 10.0,
+           "Publish a dict or list of (name, tensor), copied straight into shared memory; raises "
+           "Timeout when no slot comes free.")
       .def("drain", &PyPublisher::drain, py::arg("timeout") = 10.0,
            "Wait until consumers released everything; False on timeout.")
       .def("close", &PyPublisher::close)
@@ -213,15 +332,34 @@ PYBIND11_MODULE(tensorbucket, m) {
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](PyPublisher& self, py::args) { self.close(); });
 
-  py::class_<PyBucket>(m, "Bucket")
-      .def("tensors", &PyBucket::tensors, "Zero-copy, read-only views {name: tensor}.")
+  py::class_<PyBucket>(m, "Bucket",
+                      "A verified bucket: a read-only mapping {name: tensor} of zero-copy views, "
+                      "each made on first access.")
+      .def("__len__", &PyBucket::size)
+      .def("__contains__", &PyBucket::contains)
+      .def("__getitem__", &PyBucket::get_item)
+      .def("__iter__", [](const PyBucket& self) { return py::iter(self.keys()); })
+      .def("keys", &PyBucket::keys)
+      .def("values", &PyBucket::values)
+      .def("items", &PyBucket::items)
+      .def("get", [](PyBucket& self, const py::handle& name, const py::object& fallback) {
+             return self.contains(name) ? self.get_item(name.cast<std::string_view>()) : fallback;
+           }, py::arg("name"), py::arg("default") = py::none())
+      .def("tensors", &PyBucket::tensors, "Every view at once, as a dict {name: tensor}.")
       .def_property_readonly("version", &PyBucket::version)
       .def_property_readonly("bucket_index", &PyBucket::bucket_index)
       .def_property_readonly("bucket_count", &PyBucket::bucket_count)
       .def_property_readonly("sequence", &PyBucket::sequence)
       .def("release", &PyBucket::release)
       .def("__enter__", [](py::object self) { return self; })
-      .def("__exit__", [](PyBucket& self, py::args) { self.release(); });
+      .def("__exit__", [](PyBucket& self, py::args) { self.release(); })
+      .def("__repr__", [](const PyBucket& self) {
+        return "<tensorbucket.Bucket version=" + std::to_string(self.version()) + " bucket " +
+               std::to_string(self.bucket_index()) + "/" + std::to_string(self.bucket_count()) +
+               ", " + std::to_string(self.size()) + " tensors>";
+      });
+  // load_state_dict() and other Mapping users accept a Bucket as it is.
+  py::module_::import("collections.abc").attr("Mapping").attr("register")(m.attr("Bucket"));
 
   py::class_<PySubscriber>(m, "Subscriber")
       .def(py::init<const std::string&, double>(), py::arg("channel"), py::arg("timeout") = 10.0)

@@ -1,13 +1,10 @@
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <new>
 
 #include "tensorbucket/bucket.hpp"
+#include "copy.hpp"
 #include "identity.hpp"
 #include "text.hpp"
 #include "verify.hpp"
@@ -22,32 +19,6 @@ namespace {
 
 std::uint64_t align_up(std::uint64_t offset) {
   return (offset + kPayloadAlignment - 1) / kPayloadAlignment * kPayloadAlignment;
-}
-
-// Past this many payload bytes the destination cannot stay in cache anyway, so entries are
-// copied with non-temporal stores: glibc's memcpy switches to them only for single copies of
-// several MiB, and a bucket of many 256 KiB tensors otherwise pays a read-for-ownership of
-// every destination line (measured: 1.1-1.3x a single memcpy of the same bytes).
-constexpr std::uint64_t kStreamingBytes = 16u << 20;
-
-// Copies `bytes` to a 16-byte aligned `destination` bypassing the cache where the CPU allows.
-void stream_copy(std::byte* destination, const std::byte* source, std::size_t bytes) {
-#if defined(__SSE2__)
-  std::size_t done = 0;
-  for (; done + 64 <= bytes; done += 64) {
-    auto* from = reinterpret_cast<const __m128i*>(source + done);
-    auto* to = reinterpret_cast<__m128i*>(destination + done);
-    __m128i a = _mm_loadu_si128(from), b = _mm_loadu_si128(from + 1);
-    __m128i c = _mm_loadu_si128(from + 2), d = _mm_loadu_si128(from + 3);
-    _mm_stream_si128(to, a);
-    _mm_stream_si128(to + 1, b);
-    _mm_stream_si128(to + 2, c);
-    _mm_stream_si128(to + 3, d);
-  }
-  std::memcpy(destination + done, source + done, bytes - done);
-#else
-  std::memcpy(destination, source, bytes);
-#endif
 }
 
 }  // namespace
@@ -183,23 +154,19 @@ void BucketBuilder::pack_into(std::span<std::byte> payload) const {
     }
   }
   // Streaming needs 16-byte aligned destinations: entries are 256-aligned from the payload.
-  bool streaming = payload_bytes_ >= kStreamingBytes &&
-                   reinterpret_cast<std::uintptr_t>(payload.data()) % 16 == 0;
-  auto copy = [](std::byte* to, const std::byte* from, std::size_t n) { std::memcpy(to, from, n); };
+  bool streaming = detail::streams(payload.first(payload_bytes_));
   std::uint64_t written = 0;  // everything before this is packed or zeroed
   for (std::size_t i = 0; i < manifest_.entries.size(); ++i) {
     const auto& entry = manifest_.entries[i];
     std::memset(payload.data() + written, 0, entry.byte_offset - written);
     if (sources_[i] != nullptr) {
-      (streaming ? stream_copy : copy)(payload.data() + entry.byte_offset, sources_[i],
-                                       entry.byte_length);
+      detail::copy_bytes(payload.data() + entry.byte_offset, sources_[i], entry.byte_length,
+                         streaming);
     }
     written = entry.byte_offset + entry.byte_length;
   }
   std::memset(payload.data() + written, 0, payload_bytes_ - written);
-#if defined(__SSE2__)
-  if (streaming) _mm_sfence();  // streaming stores are weakly ordered: finish them before publishing
-#endif
+  if (streaming) detail::finish_streaming();
 }
 
 std::vector<std::span<std::byte>> BucketBuilder::entry_spans(std::span<std::byte> payload) const {

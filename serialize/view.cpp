@@ -105,10 +105,14 @@ TensorView BucketView::operator[](std::size_t index) const {
 }
 
 std::optional<TensorView> BucketView::find(std::string_view name) const {
-  if (!verified_) return std::nullopt;
-  auto found = verified_->index.find(name);
+  auto found = position(name);
   if (!found) return std::nullopt;
   return (*this)[*found];
+}
+
+std::optional<std::size_t> BucketView::position(std::string_view name) const {
+  if (!verified_) return std::nullopt;
+  return verified_->index.find(name);
 }
 
 }  // namespace tensorbucket

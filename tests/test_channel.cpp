@@ -183,6 +183,26 @@ TEST_F(Channel, InPlaceReservationPublishesWhatWasWritten) {
   EXPECT_EQ(consumer.wait(), 0);
 }
 
+// write() copies as packing does, streaming past 16 MiB: both sizes arrive intact.
+TEST_F(Channel, ReservationWriteCopiesEachEntry) {
+  auto publisher = Publisher::create(channel);
+  auto subscriber = Subscriber::attach(channel, 1s);
+  for (std::uint64_t tensor_bytes : {1000ull, 9ull << 20}) {
+    Workload workload{.tensors = 2, .tensor_bytes = tensor_bytes};
+    auto filled = cli::make_bucket(workload, 0);
+    auto packed = filled.builder.pack();
+    auto source = BucketView::open(packed.frame, packed.payload.span());
+    auto reservation = publisher.reserve(cli::make_layout(workload, 0), 1s);
+    ASSERT_TRUE(reservation.has_value());
+    for (std::size_t t = 0; t < source.size(); ++t) reservation->write(t, source[t].bytes.data());
+    expect_error(ErrorCode::InvalidArgument, [&] { reservation->write(source.size(), nullptr); });
+    reservation->commit();
+    auto bucket = subscriber.next(1s);
+    ASSERT_TRUE(bucket.has_value());
+    EXPECT_EQ(cli::check_bucket(bucket->view(), workload.seed, 0), "") << tensor_bytes;
+  }
+}
+
 TEST_F(Channel, ReservationPaddingCarriesNoOlderBytes) {
   auto publisher = Publisher::create(channel, {.slots = 1});
   auto subscriber = Subscriber::attach(channel, 1s);

@@ -2,8 +2,10 @@
 the same handoff through the tensorbucket Python module.
 
 Three peers, each a producer process and a consumer process on one host:
-- tensorbucket: Publisher.publish of the tensors, Subscriber.next and Bucket.tensors() in the
-  consumer (zero-copy views, verified);
+- tensorbucket: Publisher.publish of the tensors; in the consumer, Subscriber.next, which hands
+  back a verified Bucket: a mapping whose zero-copy views are made on first access. Timed
+  twice: "tensorbucket" stops once the Bucket is in hand, "tensorbucket all views" also makes
+  all 1000 views (Bucket.tensors()), as the flat_bucket consumer does;
 - state_dict: a torch.multiprocessing queue of a state dict (tensors move to shared memory and
   are pickled as file-descriptor handles on every send);
 - flat_bucket: one persistent shared flat buffer, the tensors copied into it, and the metadata
@@ -17,6 +19,7 @@ Run with Debian's Python, which has torch, and the module meson built:
 PYTHONPATH=build/python /usr/bin/python3 bench/peers/python_peers.py
 """
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -91,13 +94,13 @@ def flat_bucket_peer(count, tensor_bytes, repeats):
     return latencies
 
 
-def tensorbucket_consumer(channel, results, repeats):
+def tensorbucket_consumer(channel, all_views, results, repeats):
     import tensorbucket
     subscriber = tensorbucket.Subscriber(channel, timeout=30)
     latencies = []
     for _ in range(repeats):
         bucket = subscriber.next(timeout=30)
-        views = bucket.tensors()
+        views = bucket.tensors() if all_views else bucket
         assert len(views) > 0
         # The producer put its start time in the bucket's version.
         latencies.append((time.monotonic_ns() - bucket.version) / 1000)
@@ -107,13 +110,13 @@ def tensorbucket_consumer(channel, results, repeats):
     results.put(latencies)
 
 
-def tensorbucket_peer(count, tensor_bytes, repeats):
+def tensorbucket_peer(count, tensor_bytes, repeats, all_views=False):
     import tensorbucket
     tensors = make_tensors(count, tensor_bytes)
-    channel = f"tbpeer-{os.getpid()}-{tensor_bytes}"
+    channel = f"tbpeer-{os.getpid()}-{tensor_bytes}-{int(all_views)}"
     publisher = tensorbucket.Publisher(channel, slots=2)
     results = mp.Queue()
-    consumer = mp.Process(target=tensorbucket_consumer, args=(channel, results, repeats))
+    consumer = mp.Process(target=tensorbucket_consumer, args=(channel, all_views, results, repeats))
     consumer.start()
     for _ in range(repeats):
         publisher.publish(tensors, version=time.monotonic_ns(), timeout=30)
@@ -133,7 +136,8 @@ def main():
     peers = [("state_dict", state_dict_peer), ("flat_bucket", flat_bucket_peer)]
     try:
         import tensorbucket  # noqa: F401  (built by meson; on PYTHONPATH)
-        peers.insert(0, ("tensorbucket", tensorbucket_peer))
+        peers[:0] = [("tensorbucket", tensorbucket_peer),
+                     ("tensorbucket all views", functools.partial(tensorbucket_peer, all_views=True))]
     except ImportError:
         print("tensorbucket module not importable: set PYTHONPATH to build/python", file=sys.stderr)
     for name, peer in peers:

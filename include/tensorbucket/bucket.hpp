@@ -166,6 +166,8 @@ class BucketView {
   std::size_t size() const noexcept { return manifest().entries.size(); }
   TensorView operator[](std::size_t index) const;
   std::optional<TensorView> find(std::string_view name) const;
+  // The index of the entry named `name`, for operator[].
+  std::optional<std::size_t> position(std::string_view name) const;
 
  private:
   BucketView(std::shared_ptr<const detail::VerifiedManifest> verified,

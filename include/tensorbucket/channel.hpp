@@ -91,17 +91,22 @@ class Reservation {
   // whatever the slot held before until written: write every entry.
   std::span<const std::span<std::byte>> entry_spans() const noexcept { return spans_; }
 
+  // Copies entry `index`'s bytes (its byte_length) from `data` into its span, as packing does:
+  // with non-temporal stores when the payload is large. InvalidArgument past the last entry.
+  void write(std::size_t index, const void* data);
+
   // Publishes what was written. InvalidArgument when called twice.
   void commit();
 
  private:
   friend class Publisher;
   Reservation(detail::PublisherState* state, std::vector<std::byte> manifest_bytes,
-              std::uint64_t payload_bytes, std::vector<std::span<std::byte>> spans);
+              std::uint64_t payload_bytes, std::vector<std::span<std::byte>> spans, bool streaming);
   detail::PublisherState* state_;  // null once committed or moved from
   std::vector<std::byte> manifest_bytes_;
   std::uint64_t payload_bytes_;
   std::vector<std::span<std::byte>> spans_;
+  bool streaming_;  // write() streams; commit() then fences
 };
 
 // A received, verified bucket. Holds its lease: the slot is not reused while this object (or

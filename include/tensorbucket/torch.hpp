@@ -70,6 +70,9 @@ bool fits(const at::Tensor& tensor, const ManifestEntry& entry) noexcept;
 
 // Zero-copy views of every entry, in manifest order, that keep `bucket` leased while they live.
 NamedTensors tensors(std::shared_ptr<const ReceivedBucket> bucket);
+// The view of entry `index` alone (std::out_of_range past the last), for readers that take
+// tensors one by one.
+at::Tensor tensor(std::shared_ptr<const ReceivedBucket> bucket, std::size_t index);
 // Views over an in-process bucket; `view`'s payload must outlive them.
 NamedTensors tensors(const BucketView& view);
 
