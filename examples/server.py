@@ -19,7 +19,7 @@ for step in range(steps):
         assert bucket is not None, "no bucket within 30 s"
         assert bucket.version == step, (bucket.version, step)
         with bucket:
-            update.update((name, tensor.clone()) for name, tensor in bucket.tensors().items())
+            update.update((name, tensor.clone()) for name, tensor in bucket.items())
         if bucket.bucket_index + 1 == bucket.bucket_count:
             break
     tensorbucket.load_into(model, update)  # strict: every name, dtype and shape must match

@@ -1,5 +1,6 @@
 """The Python module: round trips, inputs, error classes, and a trainer and a server as two
 processes (examples/)."""
+import collections.abc
 import os
 import pathlib
 import subprocess
@@ -113,6 +114,76 @@ def test_views_are_zero_copy_and_hold_the_slot(channel):
         publisher.publish({"w": torch.ones(8)}, timeout=0.05)
     del w
     publisher.publish({"w": torch.ones(8)}, timeout=5)
+
+
+def test_a_bucket_is_a_read_only_mapping_of_lazy_views(channel):
+    publisher = tensorbucket.Publisher(channel)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    sent = {"a": torch.arange(4.0), "b": torch.ones(2, 3, dtype=torch.int32)}
+    publisher.publish(sent, version=9)
+    bucket = subscriber.next(timeout=5)
+    assert isinstance(bucket, collections.abc.Mapping)
+    assert len(bucket) == 2 and list(bucket) == ["a", "b"] and bucket.keys() == ["a", "b"]
+    assert "a" in bucket and "nope" not in bucket and 3 not in bucket
+    assert bucket["a"] is bucket["a"]  # made once, then kept
+    assert torch.equal(bucket["b"], sent["b"])
+    assert [name for name, _ in bucket.items()] == ["a", "b"]
+    assert all(torch.equal(v, sent[k]) for k, v in zip(bucket.keys(), bucket.values()))
+    assert bucket.get("nope") is None and bucket.get("nope", 5) == 5
+    with pytest.raises(KeyError, match="nope"):
+        bucket["nope"]
+    # load_state_dict takes any Mapping, so a Bucket loads as it is.
+    model = torch.nn.Linear(3, 2)
+    publisher.publish(model.state_dict())
+    model_bucket = subscriber.next(timeout=5)
+    copy = torch.nn.Linear(3, 2)
+    copy.load_state_dict(model_bucket)
+    assert torch.equal(copy.weight, model.weight)
+    assert "version=0" in repr(model_bucket)
+    a = bucket["a"]
+    bucket.release()
+    assert torch.equal(a, sent["a"])  # a view outlives release(); it holds the lease
+    with pytest.raises(tensorbucket.Error, match="released"):
+        bucket["b"]
+    assert bucket.version == 9  # identity stays readable
+
+
+def test_each_publish_sends_the_current_tensors_whatever_changed(channel):
+    """publish() reuses the layout it kept only when names, dtypes and shapes all match."""
+    publisher = tensorbucket.Publisher(channel)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    weights = {"w": torch.zeros(4, 2), "b": torch.zeros(2)}
+    steps = [
+        lambda: weights["w"].add_(1),                          # in place: the kept layout
+        lambda: weights.update(w=torch.full((4, 2), 7.0)),     # a new tensor, same layout
+        lambda: weights.update(w=torch.ones(2, 4)),            # a new shape
+        lambda: weights.update(b=torch.ones(2, dtype=torch.float64)),  # a new dtype
+        lambda: weights.update(c=torch.ones(1)),               # one more entry
+        lambda: weights.pop("c"),                              # one fewer
+        lambda: weights.update(w=torch.arange(8.0).reshape(2, 4).t()),  # strided
+        lambda: weights.update(w=torch._neg_view(torch.arange(8.0).reshape(4, 2))),  # lazily negated
+    ]
+    for version, change in enumerate(steps):
+        change()
+        publisher.publish(weights, version=version)
+        with subscriber.next(timeout=5) as bucket:
+            assert bucket.version == version
+            assert list(bucket) == list(weights)
+            for name, tensor in weights.items():
+                assert bucket[name].dtype == tensor.dtype, (version, name)
+                assert torch.equal(bucket[name], tensor.resolve_neg()), (version, name)
+    renamed = {"w2": weights["w"], "b": weights["b"]}
+    publisher.publish(renamed, version=99)
+    with subscriber.next(timeout=5) as bucket:
+        assert list(bucket) == ["w2", "b"]
+
+
+def test_a_value_that_is_not_a_tensor_is_named(channel):
+    publisher = tensorbucket.Publisher(channel)
+    publisher.publish({"w": torch.ones(2)})
+    with pytest.raises(tensorbucket.Error, match="entry 'w' is a list, not a torch.Tensor"):
+        publisher.publish({"w": [1.0, 2.0]})
+    assert publisher.published == 1
 
 
 def test_load_into_is_strict_and_copies_nothing_on_mismatch():
