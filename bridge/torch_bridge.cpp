@@ -146,28 +146,33 @@ BucketBuilder layout_of(const NamedTensors& tensors, std::uint64_t version,
 }
 
 bool fits(const at::Tensor& tensor, const ManifestEntry& entry) noexcept {
-  if (!tensor.defined() || tensor.is_meta() || tensor.is_quantized() ||
-      tensor.layout() != at::kStrided || !tensor.device().is_cpu()) {
+  // A producer asks this of every tensor on every step: the cheap field reads first, and no
+  // is_meta() (a meta tensor is not on the CPU).
+  if (!tensor.defined() || !tensor.device().is_cpu() || tensor.is_quantized() ||
+      tensor.layout() != at::kStrided) {
     return false;
   }
   auto sizes = tensor.sizes();
-  bool same_dtype = std::any_of(std::begin(kPairs), std::end(kPairs), [&](const Pair& pair) {
-    return pair.type == tensor.scalar_type() && pair.dtype == entry.dtype;
-  });
-  return same_dtype && std::equal(sizes.begin(), sizes.end(), entry.shape.begin(), entry.shape.end());
+  if (!std::equal(sizes.begin(), sizes.end(), entry.shape.begin(), entry.shape.end())) return false;
+  auto type = tensor.scalar_type();
+  for (const auto& pair : kPairs) {
+    if (pair.dtype == entry.dtype) return pair.type == type;
+  }
+  return false;
 }
 
 bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
                       std::span<const at::Tensor> tensors, std::chrono::milliseconds timeout) {
   const auto& entries = layout.manifest().entries;
   if (tensors.size() != entries.size()) {
-    fail(ErrorCode::InvalidArgument, "layout has ", entries.size(), " entries but ",
+    fail(ErrorCode::ManifestMismatch, "layout has ", entries.size(), " entries but ",
          tensors.size(), " tensors were given");
   }
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     if (!fits(tensors[i], entries[i])) {
-      fail(ErrorCode::InvalidArgument, "tensor ", i, " does not fit entry ", Quoted{entries[i].name},
-           " of the layout");
+      fail(ErrorCode::ManifestMismatch, "the tensor for entry ", Quoted{entries[i].name},
+           " no longer fits the layout (", entries[i].dtype, ' ', text::Dims{entries[i].shape},
+           "): build a new one with layout_of()");
     }
   }
   auto reservation = publisher.reserve(layout, timeout);

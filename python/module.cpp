@@ -108,29 +108,28 @@ class PyPublisher {
                                                .payload_checksum = checksum})) {}
 
   // Every call writes the tensors straight into the slot. A trainer sends the same names,
-  // dtypes and shapes every step: a call that matches the layout kept from the last one only
-  // checks and copies; any other call checks everything and keeps its layout instead.
+  // dtypes and shapes every step: a call with the names of the layout kept from the last one
+  // goes straight to the copy, whose check of every tensor against the layout refuses (with
+  // ManifestMismatch, before anything is reserved) when one changed; any other call checks
+  // everything and keeps its layout instead.
   void publish(const py::handle& tensors, std::uint64_t version, std::uint32_t bucket_index,
                std::uint32_t bucket_count, const py::handle& groups, double timeout) {
     auto group_list = to_groups(groups);
-    staged_.clear();
-    if (!kept_ || kept_->groups != group_list || !stage_kept(tensors)) {
-      staged_.clear();
-      Kept fresh;
-      auto named = to_named(tensors, &fresh.keys);
-      fresh.builder = torch_bridge::layout_of(named, version, bucket_index, bucket_count, group_list);
-      fresh.groups = std::move(group_list);
-      for (auto& [name, tensor] : named) staged_.push_back(std::move(tensor));
-      kept_ = std::move(fresh);
-    }
-    kept_->builder.version(version).bucket(bucket_index, bucket_count);
-    bool published;
-    {
-      py::gil_scoped_release unlocked;
-      published = torch_bridge::publish_in_place(publisher_, kept_->builder, staged_, to_ms(timeout));
+    if (kept_ && kept_->groups == group_list && stage_kept(tensors)) {
+      try {
+        return publish_staged(version, bucket_index, bucket_count, timeout);
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::ManifestMismatch) throw;  // a dtype or shape changed
+      }
     }
     staged_.clear();
-    if (!published) throw PublishTimeout{};
+    Kept fresh;
+    auto named = to_named(tensors, &fresh.keys);
+    fresh.builder = torch_bridge::layout_of(named, version, bucket_index, bucket_count, group_list);
+    fresh.groups = std::move(group_list);
+    for (auto& [name, tensor] : named) staged_.push_back(std::move(tensor));
+    kept_ = std::move(fresh);
+    publish_staged(version, bucket_index, bucket_count, timeout);
   }
 
   bool drain(double timeout) {
@@ -147,19 +146,35 @@ class PyPublisher {
     BucketBuilder builder;  // every entry declared
   };
 
-  // Fills staged_ when `tensors` fit the kept layout entry by entry; false at the first misfit.
+  // Fills staged_ when `tensors` hold tensors under the kept layout's names, in its order.
   bool stage_kept(const py::handle& tensors) {
+    staged_.clear();
     const auto& entries = kept_->builder.manifest().entries;
     std::size_t i = 0;
-    bool fit = true;
+    bool named_alike = true;
     for_each_item(tensors, [&](py::handle key, py::handle value) {
-      fit = fit && i < entries.size() && names(key, kept_->keys[i], entries[i].name) &&
-            THPVariable_Check(value.ptr()) &&
-            torch_bridge::fits(THPVariable_Unpack(value.ptr()), entries[i]);
-      if (fit) staged_.push_back(THPVariable_Unpack(value.ptr()));
+      named_alike = named_alike && i < entries.size() &&
+                    names(key, kept_->keys[i], entries[i].name) && THPVariable_Check(value.ptr());
+      if (named_alike) staged_.push_back(THPVariable_Unpack(value.ptr()));
       ++i;
     });
-    return fit && i == entries.size();
+    return named_alike && i == entries.size();
+  }
+
+  // Publishes staged_ through the kept layout, without the GIL; staged_ is emptied either way.
+  void publish_staged(std::uint64_t version, std::uint32_t bucket_index,
+                      std::uint32_t bucket_count, double timeout) {
+    struct Unstage {
+      std::vector<at::Tensor>& staged;
+      ~Unstage() { staged.clear(); }  // with the GIL: a tensor may be the last owner of its object
+    } unstage{staged_};
+    kept_->builder.version(version).bucket(bucket_index, bucket_count);
+    bool published;
+    {
+      py::gil_scoped_release unlocked;
+      published = torch_bridge::publish_in_place(publisher_, kept_->builder, staged_, to_ms(timeout));
+    }
+    if (!published) throw PublishTimeout{};
   }
 
   Publisher publisher_;

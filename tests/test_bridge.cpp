@@ -119,8 +119,13 @@ TEST(TorchBridge, AKeptLayoutPublishesEveryStepWithItsVersion) {
   EXPECT_FALSE(torch_bridge::fits(torch::empty({8, 4}, at::kMeta), layout.manifest().entries[0]));
   // A tensor that no longer fits is refused before anything is reserved or published.
   std::vector<at::Tensor> reshaped{torch::zeros({4, 8}), weights[1].second};
-  expect_error(ErrorCode::InvalidArgument,
-               [&] { torch_bridge::publish_in_place(publisher, layout, reshaped, 1s); });
+  auto message = expect_error(ErrorCode::ManifestMismatch, [&] {
+    torch_bridge::publish_in_place(publisher, layout, reshaped, 1s);
+  });
+  EXPECT_NE(message.find("'w'"), std::string::npos) << message;
+  expect_error(ErrorCode::ManifestMismatch, [&] {
+    torch_bridge::publish_in_place(publisher, layout, std::span(in_order).first(1), 1s);
+  });
   EXPECT_EQ(publisher.published(), 3u);
 }
 

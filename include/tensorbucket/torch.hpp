@@ -58,7 +58,8 @@ bool publish_in_place(Publisher& publisher, const NamedTensors& tensors,
 // For a producer that publishes the same tensors every step, the two halves of the call above:
 // layout_of() checks the tensors (refusing as make_bucket does) and declares them once;
 // publish_in_place() then only copies, restamping the layout's kept encoding with the
-// builder's version. `tensors` follow the layout's entries in order, each fitting its entry.
+// builder's version. `tensors` follow the layout's entries in order; ManifestMismatch, before
+// anything is reserved, when their count differs or one no longer fits its entry.
 BucketBuilder layout_of(const NamedTensors& tensors, std::uint64_t version = 0,
                         std::uint32_t bucket_index = 0, std::uint32_t bucket_count = 1,
                         const std::vector<ManifestGroup>& groups = {});
