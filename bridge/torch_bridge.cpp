@@ -148,12 +148,15 @@ BucketBuilder layout_of(const NamedTensors& tensors, std::uint64_t version,
 bool fits(const at::Tensor& tensor, const ManifestEntry& entry) noexcept {
   // A producer asks this of every tensor on every step: the cheap field reads first, and no
   // is_meta() (a meta tensor is not on the CPU).
-  if (!tensor.defined() || !tensor.device().is_cpu() || tensor.is_quantized() ||
+  if (!tensor.defined() || !tensor.is_cpu() || tensor.is_quantized() ||
       tensor.layout() != at::kStrided) {
     return false;
   }
   auto sizes = tensor.sizes();
-  if (!std::equal(sizes.begin(), sizes.end(), entry.shape.begin(), entry.shape.end())) return false;
+  if (sizes.size() != entry.shape.size()) return false;
+  for (std::size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] != entry.shape[d]) return false;  // a loop: std::equal calls memcmp here
+  }
   auto type = tensor.scalar_type();
   for (const auto& pair : kPairs) {
     if (pair.dtype == entry.dtype) return pair.type == type;
@@ -168,26 +171,28 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
     fail(ErrorCode::ManifestMismatch, "layout has ", entries.size(), " entries but ",
          tensors.size(), " tensors were given");
   }
+  // One pass over the tensors before reserving: each checked, and the bytes of each that can be
+  // copied as they are (null: copy_ it). The copy loop then touches only the bytes.
+  std::vector<const void*> bytes(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     if (!fits(tensors[i], entries[i])) {
       fail(ErrorCode::ManifestMismatch, "the tensor for entry ", Quoted{entries[i].name},
            " no longer fits the layout (", entries[i].dtype, ' ', text::Dims{entries[i].shape},
            "): build a new one with layout_of()");
     }
+    if (plain_bytes(tensors[i]) && entries[i].byte_length != 0) bytes[i] = tensors[i].data_ptr();
   }
   auto reservation = publisher.reserve(layout, timeout);
   if (!reservation) return false;
   auto spans = reservation->entry_spans();
-  at::NoGradGuard no_grad;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const auto& tensor = tensors[i];
-    if (spans[i].empty()) continue;
-    if (plain_bytes(tensor)) {
-      reservation->write(i, tensor.data_ptr());
-    } else {
+    if (bytes[i] != nullptr) {
+      reservation->write(i, bytes[i]);
+    } else if (!spans[i].empty()) {
       // copy_ lays out any strides row-major (and resolves lazy negation), straight into
       // shared memory.
-      view_of(entries[i], spans[i], nullptr).copy_(tensor.detach());
+      at::NoGradGuard no_grad;
+      view_of(entries[i], spans[i], nullptr).copy_(tensors[i].detach());
     }
   }
   reservation->commit();

@@ -302,7 +302,7 @@ std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
   // padding: zeroing a whole 256 MiB payload here evicted the caches the handoff then needed.
   std::uint64_t written = 0;
   for (const auto& entry : layout.manifest().entries) {
-    std::memset(payload.data() + written, 0, entry.byte_offset - written);
+    if (entry.byte_offset > written) std::memset(payload.data() + written, 0, entry.byte_offset - written);
     written = entry.byte_offset + entry.byte_length;
   }
   std::memset(payload.data() + written, 0, payload_bytes - written);

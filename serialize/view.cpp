@@ -43,16 +43,18 @@ std::shared_ptr<const detail::VerifiedManifest> ManifestCache::verified(
            std::memcmp(known.data() + detail::kIdentityEnd, encoded.data() + detail::kIdentityEnd,
                        encoded.size() - detail::kIdentityEnd) == 0;
   };
+  auto hit = [&](const std::shared_ptr<const detail::VerifiedManifest>& known) {
+    return known && known->payload_bytes == payload_bytes && same_layout(known->bytes);
+  };
+  // Usually the layout of the bucket before: a compare, without hashing for the lookup.
+  if (hit(last_)) return last_;
   auto key = xxh3(encoded.subspan(detail::kIdentityEnd));
   auto found = entries_.find(key);
-  if (found != entries_.end() && found->second->payload_bytes == payload_bytes &&
-      same_layout(found->second->bytes)) {
-    return found->second;
-  }
+  if (found != entries_.end() && hit(found->second)) return last_ = found->second;
   auto fresh = verify(encoded, payload_bytes);
   if (entries_.size() >= capacity_) entries_.clear();  // a producer has few distinct layouts
   entries_[key] = fresh;
-  return fresh;
+  return last_ = fresh;
 }
 
 BucketView BucketView::open(std::span<const std::byte> frame, std::span<const std::byte> payload,

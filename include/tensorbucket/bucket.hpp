@@ -135,6 +135,7 @@ class ManifestCache {
   std::size_t capacity_;
   // Keyed by the xxh3 of the bytes after the identity fields; the bytes are compared on a hit.
   std::unordered_map<std::uint64_t, std::shared_ptr<const detail::VerifiedManifest>> entries_;
+  std::shared_ptr<const detail::VerifiedManifest> last_;  // the layout of the last bucket
 };
 
 struct VerifyOptions {

@@ -5,6 +5,8 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -78,6 +80,39 @@ def test_publish_without_a_free_slot_raises_timeout(channel):
     publisher.publish({"a": torch.ones(1)})
     with pytest.raises(tensorbucket.Timeout):
         publisher.publish({"a": torch.ones(1)}, timeout=0.05)
+
+
+def test_the_gil_is_free_while_publish_and_next_wait(channel):
+    publisher = tensorbucket.Publisher(channel, slots=1)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    publisher.publish({"a": torch.ones(1)})
+    held = subscriber.next(timeout=5)  # the only slot stays leased: the next publish waits
+    ticks = []
+
+    def count_while(wait):
+        """Runs wait() while another thread counts milliseconds, which needs the GIL."""
+        done = threading.Event()
+
+        def tick():
+            while not done.is_set():
+                ticks.append(1)
+                time.sleep(0.001)
+
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        try:
+            wait()
+        finally:
+            done.set()
+            ticker.join()
+
+    with pytest.raises(tensorbucket.Timeout):
+        count_while(lambda: publisher.publish({"a": torch.ones(1)}, timeout=0.3))
+    assert len(ticks) > 50, "another thread could not run while publish() waited"
+    held.release()
+    ticks.clear()
+    count_while(lambda: subscriber.next(timeout=0.3))  # nothing comes: waits the full 0.3 s
+    assert len(ticks) > 50, "another thread could not run while next() waited"
 
 
 def test_missing_channel_is_a_channel_error(channel):
