@@ -1,0 +1,48 @@
+"""Where a Python-level handoff spends its time: publish(), next() and tensors() timed apart,
+in one process (no wake-up of another process), steady state, medians over 500 rounds each.
+publish() and next() are timed in the first 500 rounds, which make no views: making 1000 views
+evicts the caches the next publish() uses. tensors() is timed in the 500 after.
+
+PYTHONPATH=build/python /usr/bin/python3 bench/peers/python_breakdown.py
+"""
+import os
+import statistics
+import time
+
+import torch
+
+import tensorbucket
+
+
+def median_us(samples):
+    return statistics.median(samples) / 1000
+
+
+def main():
+    torch.set_num_threads(1)
+    channel = f"tbbreakdown-{os.getpid()}"
+    with tensorbucket.Publisher(channel, slots=2) as publisher:
+        subscriber = tensorbucket.Subscriber(channel, timeout=5)
+        for count, numel in ((1000, 1), (1000, 256), (10, 25600)):
+            tensors = {f"t{i}": torch.full((numel,), float(i)) for i in range(count)}
+            publish, take, views = [], [], []
+            for version in range(1000):
+                start = time.perf_counter_ns()
+                publisher.publish(tensors, version=version)
+                published = time.perf_counter_ns()
+                bucket = subscriber.next(timeout=5)
+                taken = time.perf_counter_ns()
+                if version < 500:
+                    publish.append(published - start)
+                    take.append(taken - published)
+                else:
+                    all_views = bucket.tensors()
+                    views.append(time.perf_counter_ns() - taken)
+                    del all_views
+                bucket.release()
+            print(f"{count} x {numel * 4} B: publish {median_us(publish):.1f} us, next "
+                  f"{median_us(take):.1f} us, tensors() {median_us(views):.1f} us")
+
+
+if __name__ == "__main__":
+    main()
