@@ -153,10 +153,7 @@ bool fits(const at::Tensor& tensor, const ManifestEntry& entry) noexcept {
     return false;
   }
   auto sizes = tensor.sizes();
-  if (sizes.size() != entry.shape.size()) return false;
-  for (std::size_t d = 0; d < sizes.size(); ++d) {
-    if (sizes[d] != entry.shape[d]) return false;  // a loop: std::equal calls memcmp here
-  }
+  if (!std::equal(sizes.begin(), sizes.end(), entry.shape.begin(), entry.shape.end())) return false;
   auto type = tensor.scalar_type();
   for (const auto& pair : kPairs) {
     if (pair.dtype == entry.dtype) return pair.type == type;

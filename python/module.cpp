@@ -54,6 +54,10 @@ const at::Tensor& tensor_of(const py::handle& value, const std::string& name) {
 NamedTensors to_named(const py::handle& tensors, std::vector<py::object>* keys = nullptr) {
   NamedTensors out;
   for_each_item(tensors, [&](py::handle key, py::handle value) {
+    if (!PyUnicode_Check(key.ptr())) {
+      throw Error(ErrorCode::InvalidArgument, "tensor names must be str, not " +
+                                                  std::string(Py_TYPE(key.ptr())->tp_name));
+    }
     auto name = key.cast<std::string>();
     const auto& tensor = tensor_of(value, name);
     out.emplace_back(std::move(name), tensor);

@@ -8,7 +8,8 @@
 // payload) and every rule of docs/format.md before it returns; on any failure it throws and no
 // view exists. Views are zero-copy: they point into the payload, which must outlive them.
 //
-// Thread safety: a BucketBuilder is not synchronized (one thread at a time). A BucketView is
+// Thread safety: a BucketBuilder is not synchronized (one thread at a time, const members
+// included: encoded_manifest() keeps what it encodes). A BucketView is
 // immutable after open(); its const members are safe to call from many threads.
 #pragma once
 

@@ -218,6 +218,8 @@ def test_a_value_that_is_not_a_tensor_is_named(channel):
     publisher.publish({"w": torch.ones(2)})
     with pytest.raises(tensorbucket.Error, match="entry 'w' is a list, not a torch.Tensor"):
         publisher.publish({"w": [1.0, 2.0]})
+    with pytest.raises(tensorbucket.Error, match="names must be str, not int"):
+        publisher.publish({3: torch.ones(2)})
     assert publisher.published == 1
 
 
