@@ -8,7 +8,7 @@
 // Non-contiguous tensors are packed by value in row-major order; requires_grad tensors are
 // packed by value (detached).
 //
-// Receiving: tensors() gives from_blob views over the bucket's payload whose deleters keep the
+// Receiving: tensors() gives views over the bucket's payload whose storages keep the
 // bucket (and its lease) alive: the slot cannot be reused while any view lives, and nothing is
 // copied. The memory is the producer's: treat the views as read-only (received payloads are
 // mapped read-only; clone() to modify).
