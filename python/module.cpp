@@ -353,7 +353,8 @@ PYBIND11_MODULE(tensorbucket, m) {
 
   py::class_<PyBucket>(m, "Bucket",
                       "A verified bucket: a read-only mapping {name: tensor} of zero-copy views, "
-                      "each made on first access.")
+                      "each made on first access. The views are mapped read-only: writing "
+                      "through one faults (SIGSEGV); clone() to modify.")
       .def("__len__", &PyBucket::size)
       .def("__contains__", &PyBucket::contains)
       .def("__getitem__", &PyBucket::get_item)
