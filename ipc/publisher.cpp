@@ -357,6 +357,7 @@ Reservation::Reservation(Reservation&& other) noexcept
       streaming_(other.streaming_) {}
 
 void Reservation::write(std::size_t index, const void* data) {
+  if (state_ == nullptr) fail(ErrorCode::InvalidArgument, "reservation was already committed");
   if (index >= spans_.size()) {
     fail(ErrorCode::InvalidArgument, "entry ", index, " is past the last of ", spans_.size());
   }

@@ -126,6 +126,8 @@ BucketBuilder& BucketBuilder::group(std::string name, std::vector<std::string> m
 }
 
 const Manifest& BucketBuilder::manifest() const {
+  // A kept encoding was made after this check passed, and nothing changed since.
+  if (!encoded_.empty()) return manifest_;
   for (const auto& group : manifest_.groups) {
     for (const auto& member : group.members) {
       if (!entry_index_.contains(member)) {

@@ -132,6 +132,9 @@ TEST(Builder, EncodedManifestFollowsEveryChange) {
   EXPECT_EQ(decode_manifest(builder.encoded_manifest()), builder.manifest());
   builder.group("g", {"a", "b"});
   EXPECT_EQ(decode_manifest(builder.encoded_manifest()), builder.manifest());
+  builder.group("h", {"missing"});  // the kept encoding no longer vouches for the groups
+  expect_error(ErrorCode::IncompleteGroup, [&] { builder.encoded_manifest(); });
+  expect_error(ErrorCode::IncompleteGroup, [&] { builder.manifest(); });
 }
 
 TEST(Builder, RefusesDuplicateName) {

@@ -197,6 +197,8 @@ TEST_F(Channel, ReservationWriteCopiesEachEntry) {
     for (std::size_t t = 0; t < source.size(); ++t) reservation->write(t, source[t].bytes.data());
     expect_error(ErrorCode::InvalidArgument, [&] { reservation->write(source.size(), nullptr); });
     reservation->commit();
+    // A published bucket is not written again.
+    expect_error(ErrorCode::InvalidArgument, [&] { reservation->write(0, source[1].bytes.data()); });
     auto bucket = subscriber.next(1s);
     ASSERT_TRUE(bucket.has_value());
     EXPECT_EQ(cli::check_bucket(bucket->view(), workload.seed, 0), "") << tensor_bytes;

@@ -92,7 +92,8 @@ class Reservation {
   std::span<const std::span<std::byte>> entry_spans() const noexcept { return spans_; }
 
   // Copies entry `index`'s bytes (its byte_length) from `data` into its span, as packing does:
-  // with non-temporal stores when the payload is large. InvalidArgument past the last entry.
+  // with non-temporal stores when the payload is large. InvalidArgument past the last entry
+  // or after commit().
   void write(std::size_t index, const void* data);
 
   // Publishes what was written. InvalidArgument when called twice.
