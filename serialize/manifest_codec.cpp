@@ -23,8 +23,8 @@
 #include <ostream>
 #include <streambuf>
 
-#include "tensorbucket/error.hpp"
 #include "identity.hpp"
+#include "tensorbucket/error.hpp"
 #include "tensorbucket/manifest.hpp"
 #include "text.hpp"
 
@@ -98,16 +98,30 @@ class Encoder {
   cereal::PortableBinaryOutputArchive archive_;
 };
 
+// Little-endian u32 and u64 at a byte offset, as cereal's portable archive writes them.
+template <class T>
+T to_little_endian(T value) {
+  if constexpr (std::endian::native == std::endian::little) return value;
+  else if constexpr (sizeof(T) == 8) return __builtin_bswap64(value);
+  else return __builtin_bswap32(value);
+}
+template <class T>
+T load_le(const std::byte* at) {
+  T value;
+  std::memcpy(&value, at, sizeof value);
+  return to_little_endian(value);
+}
+template <class T>
+void store_le(std::byte* at, T value) {
+  value = to_little_endian(value);
+  std::memcpy(at, &value, sizeof value);
+}
+
 // A block of little-endian 8-byte words inside the input.
 class Words {
  public:
   explicit Words(const std::byte* at) : at_(at) {}
-  std::uint64_t operator[](std::size_t i) const {
-    std::uint64_t word;
-    std::memcpy(&word, at_ + 8 * i, 8);
-    if constexpr (std::endian::native == std::endian::big) word = __builtin_bswap64(word);
-    return word;
-  }
+  std::uint64_t operator[](std::size_t i) const { return load_le<std::uint64_t>(at_ + 8 * i); }
 
  private:
   const std::byte* at_;
@@ -184,25 +198,6 @@ class Decoder {
   std::istream stream_;
   cereal::PortableBinaryInputArchive archive_;
 };
-
-// Little-endian u32 and u64 at a byte offset, as cereal's portable archive writes them.
-template <class T>
-T to_little_endian(T value) {
-  if constexpr (std::endian::native == std::endian::little) return value;
-  else if constexpr (sizeof(T) == 8) return __builtin_bswap64(value);
-  else return __builtin_bswap32(value);
-}
-template <class T>
-T load_le(const std::byte* at) {
-  T value;
-  std::memcpy(&value, at, sizeof value);
-  return to_little_endian(value);
-}
-template <class T>
-void store_le(std::byte* at, T value) {
-  value = to_little_endian(value);
-  std::memcpy(at, &value, sizeof value);
-}
 
 std::uint64_t bounded(std::uint64_t value, std::uint64_t limit, const char* what) {
   if (value > limit) {
