@@ -15,4 +15,14 @@ void futex_wait(std::uint32_t* word, std::uint32_t expected, std::chrono::nanose
 // Bumps *word and wakes every process waiting on it.
 void futex_bump_and_wake(std::uint32_t* word);
 
+// One turn of a spin loop: tells the core we are waiting, which frees its sibling
+// hyper-thread and saves power.
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 }  // namespace tensorbucket::ipc

@@ -173,6 +173,9 @@ struct detail::PublisherState {
     auto start_ns = ipc::monotonic_ns();
     if (!claim(published, Clock::now() + timeout)) return std::nullopt;
     auto s = static_cast<std::uint32_t>(published % options.slots);
+    // Consumers asleep waiting for this bucket wake now, and spin while it is written: their
+    // wake-up overlaps the writing (see kWriteSpin in subscriber.cpp).
+    ipc::futex_bump_and_wake(&control->consumer_wake);
     try {
       slot(s).publish_start_ns = start_ns;
       return segment_for(s, payload_bytes, frame_bytes).data();

@@ -1,5 +1,6 @@
 // The consumer side of a channel. See ipc/control.hpp for the protocol and docs/channel.md
 // for the crash cases.
+#include <optional>
 #include <thread>
 
 #include "control.hpp"
@@ -20,6 +21,11 @@ constexpr auto kWaitSlice = std::chrono::milliseconds(10);
 // Spinning this long before sleeping keeps the handoff in microseconds when the producer is
 // about to publish, at the price of that much CPU per empty wait.
 constexpr auto kSpin = std::chrono::microseconds(50);
+// While the producer writes the awaited slot (its generation odd), a consumer spins up to this
+// long before it sleeps again: the producer wakes consumers when it claims the slot, so their
+// wake-up, tens of µs on a VM, overlaps the writing of a small bucket instead of following it.
+// A large bucket takes longer to write than this; its consumers sleep until the commit.
+constexpr auto kWriteSpin = std::chrono::milliseconds(1);
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(5);
 
 }  // namespace
@@ -193,6 +199,7 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
   auto* control = state.control;
   auto start = Clock::now();
   auto deadline = start + timeout;
+  std::optional<Clock::time_point> writing_since;  // when we first saw the slot being written
   for (;;) {
     auto wake = ipc::atomic(control->consumer_wake).load(std::memory_order_acquire);
     auto bucket = state.next_bucket;
@@ -234,7 +241,12 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
     }
     // Not published yet (or the producer is probing the slot and will back off for us).
     auto now = Clock::now();
-    if (now - start < kSpin && now < deadline) continue;
+    if (g % 2 == 1 && !writing_since) writing_since = now;
+    bool spin = now - start < kSpin || (writing_since && now - *writing_since < kWriteSpin);
+    if (spin && now < deadline) {
+      ipc::cpu_relax();
+      continue;
+    }
     if (state.producer_gone(now)) {
       if (ipc::atomic(generation).load(std::memory_order_acquire) == expected) continue;
       fail(ErrorCode::ProducerGone, "producer of channel ", Quoted{state.channel},
