@@ -8,6 +8,7 @@
 #include "futex.hpp"
 #include "segment.hpp"
 #include "serialize/copy.hpp"
+#include "serialize/identity.hpp"
 #include "serialize/text.hpp"
 #include "tensorbucket/channel.hpp"
 
@@ -132,18 +133,18 @@ struct detail::PublisherState {
     return *segment;
   }
 
-  // Writes the frame after the payload and publishes the claimed slot.
-  void finish(std::uint64_t bucket, std::span<const std::byte> manifest_bytes,
-              std::uint64_t payload_bytes) {
+  // Writes the header, binding the manifest begin() wrote to the payload, and publishes the
+  // claimed slot.
+  void finish(std::uint64_t bucket, std::uint64_t payload_bytes) {
     auto s = static_cast<std::uint32_t>(bucket % options.slots);
     auto& control_slot = slot(s);
     auto* base = slot_segments[s]->data();
+    auto* frame = base + control_slot.payload_capacity;
+    std::span<const std::byte> manifest_bytes{frame + sizeof(BucketHeader),
+                                              control_slot.frame_bytes - sizeof(BucketHeader)};
     auto header = make_header(manifest_bytes, {base, payload_bytes},
                               {.payload_checksum = options.payload_checksum});
-    auto* frame = base + control_slot.payload_capacity;
     std::memcpy(frame, &header, sizeof header);
-    std::memcpy(frame + sizeof header, manifest_bytes.data(), manifest_bytes.size());
-    control_slot.frame_bytes = sizeof header + manifest_bytes.size();
 
     control_slot.published_ns = ipc::monotonic_ns();
     // Release: the bytes and slot fields above are visible to a consumer that sees this value.
@@ -162,8 +163,21 @@ struct detail::PublisherState {
     ipc::futex_bump_and_wake(&control->consumer_wake);
   }
 
-  // Claims the next slot and sizes its segment; false on timeout.
-  std::optional<std::byte*> begin(std::uint64_t payload_bytes, std::uint64_t frame_bytes,
+  // A producer resends its layout every step, so the slot's frame usually holds it already but
+  // for the identity fields at its front: writing only those leaves the rest (~60 bytes an
+  // entry) in the consumers' caches, where they read it to verify the next bucket.
+  static void write_manifest(std::byte* to, std::span<const std::byte> manifest_bytes) {
+    auto front = std::min(manifest_bytes.size(), detail::kIdentityEnd);
+    std::memcpy(to, manifest_bytes.data(), front);
+    if (std::memcmp(to + front, manifest_bytes.data() + front, manifest_bytes.size() - front) != 0) {
+      std::memcpy(to + front, manifest_bytes.data() + front, manifest_bytes.size() - front);
+    }
+  }
+
+  // Claims the next slot, sizes its segment and writes the manifest into its frame; nullopt on
+  // timeout, else where the payload goes.
+  std::optional<std::byte*> begin(std::uint64_t payload_bytes,
+                                  std::span<const std::byte> manifest_bytes,
                                   std::chrono::milliseconds timeout) {
     if (closed) fail(ErrorCode::InvalidArgument, "channel ", Quoted{channel}, " is closed");
     if (reservation_open) {
@@ -177,8 +191,13 @@ struct detail::PublisherState {
     // wake-up overlaps the writing (see kWriteSpin in subscriber.cpp).
     ipc::futex_bump_and_wake(&control->consumer_wake);
     try {
-      slot(s).publish_start_ns = start_ns;
-      return segment_for(s, payload_bytes, frame_bytes).data();
+      auto& control_slot = slot(s);
+      control_slot.publish_start_ns = start_ns;
+      auto frame_bytes = sizeof(BucketHeader) + manifest_bytes.size();
+      auto* base = segment_for(s, payload_bytes, frame_bytes).data();
+      write_manifest(base + control_slot.payload_capacity + sizeof(BucketHeader), manifest_bytes);
+      control_slot.frame_bytes = frame_bytes;
+      return base;
     } catch (...) {
       abandon(published);
       throw;
@@ -282,7 +301,7 @@ Publisher::~Publisher() { close(); }
 bool Publisher::publish(const BucketBuilder& bucket, std::chrono::milliseconds timeout) {
   auto manifest_bytes = bucket.encoded_manifest();  // refuses incomplete groups before any claim
   auto payload_bytes = bucket.payload_bytes();
-  auto base = state_->begin(payload_bytes, sizeof(BucketHeader) + manifest_bytes.size(), timeout);
+  auto base = state_->begin(payload_bytes, manifest_bytes, timeout);
   if (!base) return false;
   try {
     bucket.pack_into({*base, payload_bytes});
@@ -290,7 +309,7 @@ bool Publisher::publish(const BucketBuilder& bucket, std::chrono::milliseconds t
     state_->abandon(state_->published);
     throw;
   }
-  state_->finish(state_->published, manifest_bytes, payload_bytes);
+  state_->finish(state_->published, payload_bytes);
   return true;
 }
 
@@ -298,7 +317,7 @@ std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
                                               std::chrono::milliseconds timeout) {
   auto manifest_bytes = layout.encoded_manifest();
   auto payload_bytes = layout.payload_bytes();
-  auto base = state_->begin(payload_bytes, sizeof(BucketHeader) + manifest_bytes.size(), timeout);
+  auto base = state_->begin(payload_bytes, manifest_bytes, timeout);
   if (!base) return std::nullopt;
   std::span<std::byte> payload{*base, payload_bytes};
   // Zero the padding between entries, so no bytes of an older bucket travel in it. Only the
@@ -310,8 +329,8 @@ std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
   }
   std::memset(payload.data() + written, 0, payload_bytes - written);
   state_->reservation_open = true;
-  return Reservation(state_.get(), {manifest_bytes.begin(), manifest_bytes.end()}, payload_bytes,
-                     layout.entry_spans(payload), detail::streams(payload));
+  return Reservation(state_.get(), payload_bytes, layout.entry_spans(payload),
+                     detail::streams(payload));
 }
 
 bool Publisher::drain(std::chrono::milliseconds timeout) {
@@ -343,18 +362,15 @@ void Publisher::close() noexcept {
 std::uint64_t Publisher::published() const noexcept { return state_->published; }
 const std::string& Publisher::channel() const noexcept { return state_->channel; }
 
-Reservation::Reservation(detail::PublisherState* state, std::vector<std::byte> manifest_bytes,
-                         std::uint64_t payload_bytes, std::vector<std::span<std::byte>> spans,
-                         bool streaming)
+Reservation::Reservation(detail::PublisherState* state, std::uint64_t payload_bytes,
+                         std::vector<std::span<std::byte>> spans, bool streaming)
     : state_(state),
-      manifest_bytes_(std::move(manifest_bytes)),
       payload_bytes_(payload_bytes),
       spans_(std::move(spans)),
       streaming_(streaming) {}
 
 Reservation::Reservation(Reservation&& other) noexcept
     : state_(std::exchange(other.state_, nullptr)),
-      manifest_bytes_(std::move(other.manifest_bytes_)),
       payload_bytes_(other.payload_bytes_),
       spans_(std::move(other.spans_)),
       streaming_(other.streaming_) {}
@@ -382,7 +398,7 @@ void Reservation::commit() {
   // For the in-place path the handoff starts here: the writing before it is the caller's.
   state->slot(static_cast<std::uint32_t>(state->published % state->options.slots)).publish_start_ns =
       ipc::monotonic_ns();
-  state->finish(state->published, manifest_bytes_, payload_bytes_);
+  state->finish(state->published, payload_bytes_);
 }
 
 }  // namespace tensorbucket

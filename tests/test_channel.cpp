@@ -239,6 +239,30 @@ TEST_F(Channel, AbandonedReservationPublishesNothing) {
   EXPECT_EQ(cli::check_bucket(bucket->view(), workload.seed, 0), "");
 }
 
+// The producer rewrites only the bytes of a slot's manifest that changed: a layout of the
+// same size with other names, then the first one again, each arrives as sent.
+TEST_F(Channel, SlotManifestFollowsEveryLayoutChange) {
+  auto publisher = Publisher::create(channel, {.slots = 1});
+  auto subscriber = Subscriber::attach(channel, 1s);
+  const float values[2] = {1.5f, -2.5f};
+  auto layout = [&](const char* second, std::uint64_t version) {
+    BucketBuilder builder;
+    builder.version(version).add("a", DType::F32, Shape{2}, values).add(second, DType::F32, Shape{2}, values);
+    return builder;
+  };
+  std::uint64_t version = 10;
+  for (const char* second : {"b", "c", "b", "b"}) {
+    ASSERT_TRUE(publisher.publish(layout(second, version), 1s));
+    auto bucket = subscriber.next(1s);
+    ASSERT_TRUE(bucket.has_value());
+    EXPECT_EQ(bucket->view().version(), version);
+    ASSERT_EQ(bucket->view().size(), 2u);
+    EXPECT_EQ(bucket->view().manifest().entries[1].name, second) << "version " << version;
+    EXPECT_TRUE(bucket->view().position(second).has_value());
+    ++version;
+  }
+}
+
 TEST_F(Channel, SlotsGrowForLargerBuckets) {
   auto publisher = Publisher::create(channel, {.slots = 1});
   auto subscriber = Subscriber::attach(channel, 1s);

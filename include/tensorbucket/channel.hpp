@@ -101,10 +101,9 @@ class Reservation {
 
  private:
   friend class Publisher;
-  Reservation(detail::PublisherState* state, std::vector<std::byte> manifest_bytes,
-              std::uint64_t payload_bytes, std::vector<std::span<std::byte>> spans, bool streaming);
+  Reservation(detail::PublisherState* state, std::uint64_t payload_bytes,
+              std::vector<std::span<std::byte>> spans, bool streaming);
   detail::PublisherState* state_;  // null once committed or moved from
-  std::vector<std::byte> manifest_bytes_;
   std::uint64_t payload_bytes_;
   std::vector<std::span<std::byte>> spans_;
   bool streaming_;  // write() streams; commit() then fences
