@@ -24,12 +24,13 @@
 #include <string_view>
 #include <type_traits>
 
+#include "futex.hpp"
 #include "process.hpp"
 
 namespace tensorbucket::ipc {
 
 inline constexpr std::uint32_t kControlMagic = 0x4C434254;  // "TBCL" in memory order
-inline constexpr std::uint16_t kControlLayoutVersion = 1;
+inline constexpr std::uint16_t kControlLayoutVersion = 2;
 inline constexpr std::uint32_t kMaxSlots = 16;
 inline constexpr std::uint32_t kMaxConsumers = 64;
 inline constexpr std::size_t kMaxChannelName = 64;
@@ -65,8 +66,8 @@ struct ControlBlock {
   std::uint32_t closed;         // 1 once the producer closed the channel
   ProcessId producer;
   std::uint64_t published;      // buckets published so far
-  std::uint32_t consumer_wake;  // futex word: bumped on publish and close
-  std::uint32_t producer_wake;  // futex word: bumped on release, attach and detach
+  WaitWord consumer_wake;       // bumped on claim, publish and close
+  WaitWord producer_wake;       // bumped on release, attach and detach
   SlotControl slots[kMaxSlots];
   ConsumerRecord consumers[kMaxConsumers];
 };

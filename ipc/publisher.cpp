@@ -90,7 +90,7 @@ struct detail::PublisherState {
     auto current = slot_generation[s];
     auto& generation = slot(s).generation;
     for (;;) {
-      auto wake = ipc::atomic(control->producer_wake).load(std::memory_order_acquire);
+      auto wake = ipc::wake_count(control->producer_wake);
       if (current == 0 || slot_releasable(s, current / 2 - 1)) {
         // Claim, then look again: a consumer may have taken a lease between the two. It sets
         // its bit then reads the generation; we write the generation then read the bits.
@@ -100,11 +100,11 @@ struct detail::PublisherState {
           return true;
         }
         ipc::atomic(generation).store(current, std::memory_order_seq_cst);
-        ipc::futex_bump_and_wake(&control->consumer_wake);
+        ipc::futex_bump_and_wake(control->consumer_wake);
       }
       auto now = Clock::now();
       if (now >= deadline) return false;
-      ipc::futex_wait(&control->producer_wake, wake,
+      ipc::futex_wait(control->producer_wake, wake,
                       std::min<Clock::duration>(deadline - now, kWaitSlice));
     }
   }
@@ -152,7 +152,7 @@ struct detail::PublisherState {
     ipc::atomic(control_slot.generation).store(slot_generation[s], std::memory_order_release);
     published = bucket + 1;
     ipc::atomic(control->published).store(published, std::memory_order_release);
-    ipc::futex_bump_and_wake(&control->consumer_wake);
+    ipc::futex_bump_and_wake(control->consumer_wake);
   }
 
   // Leaves a claimed slot empty: its old bucket was releasable, its new one never came.
@@ -160,7 +160,7 @@ struct detail::PublisherState {
     auto s = static_cast<std::uint32_t>(bucket % options.slots);
     slot_generation[s] = 0;
     ipc::atomic(slot(s).generation).store(0, std::memory_order_release);
-    ipc::futex_bump_and_wake(&control->consumer_wake);
+    ipc::futex_bump_and_wake(control->consumer_wake);
   }
 
   // A producer resends its layout every step, so the slot's frame usually holds it already but
@@ -189,7 +189,7 @@ struct detail::PublisherState {
     auto s = static_cast<std::uint32_t>(published % options.slots);
     // Consumers asleep waiting for this bucket wake now, and spin while it is written: their
     // wake-up overlaps the writing (see kWriteSpin in subscriber.cpp).
-    ipc::futex_bump_and_wake(&control->consumer_wake);
+    ipc::futex_bump_and_wake(control->consumer_wake);
     try {
       auto& control_slot = slot(s);
       control_slot.publish_start_ns = start_ns;
@@ -337,7 +337,7 @@ bool Publisher::drain(std::chrono::milliseconds timeout) {
   auto deadline = Clock::now() + timeout;
   auto& state = *state_;
   for (;;) {
-    auto wake = ipc::atomic(state.control->producer_wake).load(std::memory_order_acquire);
+    auto wake = ipc::wake_count(state.control->producer_wake);
     bool drained = true;
     for (std::uint32_t s = 0; s < state.options.slots && drained; ++s) {
       auto generation = state.slot_generation[s];
@@ -346,7 +346,7 @@ bool Publisher::drain(std::chrono::milliseconds timeout) {
     if (drained) return true;
     auto now = Clock::now();
     if (now >= deadline) return false;
-    ipc::futex_wait(&state.control->producer_wake, wake,
+    ipc::futex_wait(state.control->producer_wake, wake,
                     std::min<Clock::duration>(deadline - now, kWaitSlice));
   }
 }
@@ -355,7 +355,7 @@ void Publisher::close() noexcept {
   if (!state_ || state_->closed) return;
   state_->closed = true;
   ipc::atomic(state_->control->closed).store(1, std::memory_order_release);
-  ipc::futex_bump_and_wake(&state_->control->consumer_wake);
+  ipc::futex_bump_and_wake(state_->control->consumer_wake);
   state_->remove_segments();
 }
 

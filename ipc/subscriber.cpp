@@ -57,7 +57,7 @@ struct detail::SubscriberState {
     if (record == nullptr) return;
     ipc::atomic(record->held_slots).store(0, std::memory_order_seq_cst);
     ipc::atomic(record->state).store(ipc::kFree, std::memory_order_release);
-    ipc::futex_bump_and_wake(&control->producer_wake);
+    ipc::futex_bump_and_wake(control->producer_wake);
   }
 
   std::uint64_t& generation(std::uint32_t s) { return control->slots[s].generation; }
@@ -77,7 +77,7 @@ struct detail::SubscriberState {
       ipc::atomic(control->slots[s].release_count).fetch_add(1, std::memory_order_release);
     }
     ipc::atomic(record->held_slots).fetch_and(~(1u << s), std::memory_order_seq_cst);
-    ipc::futex_bump_and_wake(&control->producer_wake);
+    ipc::futex_bump_and_wake(control->producer_wake);
   }
 
   // The liveness check reads /proc, so it runs at most once per kLivenessPeriod; the closed
@@ -180,7 +180,7 @@ Subscriber Subscriber::attach(std::string_view channel, std::chrono::millisecond
   state->next_bucket = state->oldest_available();
   ipc::atomic(record.next_bucket).store(state->next_bucket, std::memory_order_seq_cst);
   ipc::atomic(record.state).store(ipc::kActive, std::memory_order_seq_cst);
-  ipc::futex_bump_and_wake(&control->producer_wake);
+  ipc::futex_bump_and_wake(control->producer_wake);
   return Subscriber(std::move(state));
 }
 
@@ -201,7 +201,7 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
   auto deadline = start + timeout;
   std::optional<Clock::time_point> writing_since;  // when we first saw the slot being written
   for (;;) {
-    auto wake = ipc::atomic(control->consumer_wake).load(std::memory_order_acquire);
+    auto wake = ipc::wake_count(control->consumer_wake);
     auto bucket = state.next_bucket;
     auto s = static_cast<std::uint32_t>(bucket % state.slot_count);
     auto expected = 2 * (bucket + 1);
@@ -253,7 +253,7 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
            " is gone; every published bucket was received");
     }
     if (now >= deadline) return std::nullopt;
-    ipc::futex_wait(&control->consumer_wake, wake,
+    ipc::futex_wait(control->consumer_wake, wake,
                     std::min<Clock::duration>(deadline - now, kWaitSlice));
   }
 }
