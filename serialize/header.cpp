@@ -1,6 +1,10 @@
 #include "tensorbucket/header.hpp"
 
+#ifdef TENSORBUCKET_XXH3_DISPATCH
+#include <xxh_x86dispatch.h>
+#else
 #include <xxhash.h>
+#endif
 
 #include <algorithm>
 #include <cstring>
@@ -13,7 +17,11 @@ namespace tensorbucket {
 using text::fail;
 
 std::uint64_t xxh3(std::span<const std::byte> bytes) noexcept {
+#ifdef TENSORBUCKET_XXH3_DISPATCH
+  return XXH3_64bits_dispatch(bytes.data(), bytes.size());  // the same hash, vectorised
+#else
   return XXH3_64bits(bytes.data(), bytes.size());
+#endif
 }
 
 BucketHeader make_header(std::span<const std::byte> encoded_manifest,
