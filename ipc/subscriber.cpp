@@ -23,9 +23,11 @@ constexpr auto kWaitSlice = std::chrono::milliseconds(10);
 constexpr auto kSpin = std::chrono::microseconds(50);
 // While the producer writes the awaited slot (its generation odd), a consumer spins up to this
 // long before it sleeps again: the producer wakes consumers when it claims the slot, so their
-// wake-up, tens of µs on a VM, overlaps the writing of a small bucket instead of following it.
-// A large bucket takes longer to write than this; its consumers sleep until the commit.
-constexpr auto kWriteSpin = std::chrono::milliseconds(1);
+// wake-up, tens of µs on a VM, overlaps the writing of a small bucket (1000 x 1 KiB: ~60 µs)
+// instead of following it. A larger bucket takes longer to write than this, and its consumers
+// sleep until the commit: spinning consumers that outnumber the free cores would slow the
+// producer's writing down.
+constexpr auto kWriteSpin = std::chrono::microseconds(200);
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(5);
 
 }  // namespace
