@@ -1,4 +1,6 @@
-"""Runs `tbucket bench --json` and the Python peers in one go and prints our ratio against each.
+"""Runs `tbucket bench --json` and the Python peers in one go and prints our ratio against each:
+the Python handoff against the best Python peer and against a memcpy of the same bytes (all
+from python_peers.py, which takes turns between them), then the C++ handoff against each peer.
 
 /usr/bin/python3 bench/peers/compare.py build/tools/tbucket
 """
@@ -20,15 +22,23 @@ def main():
         check=True, capture_output=True, text=True, env=env).stdout.splitlines()]
     by_size = {}
     for peer in peers:
-        by_size.setdefault(peer["size"], {})[peer["peer"]] = peer["median_us"]
-    for size, medians in by_size.items():
-        best = min(v for k, v in medians.items() if not k.startswith("tensorbucket"))
+        by_size.setdefault(peer["size"], {})[peer["peer"]] = peer
+    for size, rows in by_size.items():
+        others = [row for name, row in rows.items() if not name.startswith("tensorbucket") and name != "memcpy"]
+        best = min(others, key=lambda row: row["median_us"])
         for ours_name in ("tensorbucket", "tensorbucket all views"):
-            if ours_name in medians:
-                print(f"{size:>16}: Python {ours_name:<22} {medians[ours_name]:10.1f} us, "
-                      f"best Python peer {best:10.1f} us, {best / medians[ours_name]:7.1f}x faster")
+            if ours_name not in rows:
+                continue
+            mine = rows[ours_name]
+            # Each turn of ours beside the best peer's turn that followed it.
+            turns = [theirs / us for theirs, us in zip(best["turn_medians_us"], mine["turn_medians_us"])]
+            print(f"{size:>16}: Python {ours_name:<22} {mine['median_us']:10.1f} us | best peer "
+                  f"{best['peer']} {best['median_us']:10.1f} us | {best['median_us'] / mine['median_us']:6.1f}x "
+                  f"faster (turns {min(turns):.1f}-{max(turns):.1f}x) | "
+                  f"{mine['median_us'] / rows['memcpy']['median_us']:.2f}x memcpy | first of a turn "
+                  f"{mine['cold_median_us']:.0f} us vs {best['cold_median_us']:.0f} us")
     for peer in peers:
-        if peer["peer"].startswith("tensorbucket"):
+        if peer["peer"].startswith("tensorbucket") or peer["peer"] == "memcpy":
             continue
         mine = ours["copy " + peer["size"]]
         print(f"{peer['size']:>16}: C++ tensorbucket {mine['median_us']:10.1f} us | "

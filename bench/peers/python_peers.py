@@ -1,7 +1,7 @@
 """How Python users hand weights to another process today, timed like `tbucket bench`, beside
 the same handoff through the tensorbucket Python module.
 
-Three peers, each a producer process and a consumer process on one host:
+Three peers, each a producer (here) and a consumer process on one host:
 - tensorbucket: Publisher.publish of the tensors; in the consumer, Subscriber.next, which hands
   back a verified Bucket: a mapping whose zero-copy views are made on first access. Timed
   twice: "tensorbucket" stops once the Bucket is in hand, "tensorbucket all views" also makes
@@ -11,15 +11,28 @@ Three peers, each a producer process and a consumer process on one host:
 - flat_bucket: one persistent shared flat buffer, the tensors copied into it, and the metadata
   (name, dtype, shape, offset) sent over a torch.multiprocessing queue; the consumer rebuilds
   views over the buffer.
+And one baseline, "memcpy": a single memcpy of the same bytes between two buffers already
+written once, in this process.
+
 Latency is CLOCK_MONOTONIC from the producer starting the send to the consumer holding usable
-tensors, one isolated handoff at a time (the producer waits for an acknowledgement), the same
-clock and protocol as `tbucket bench`. Prints one JSON object per (peer, size).
+tensors, one isolated handoff at a time (the consumer acknowledges each with its latency), the
+same clock and protocol as `tbucket bench`.
+
+A machine's speed drifts (this 2-core VM's by up to 2x, over seconds to minutes), so timing
+one contender after the other would compare them under different conditions. All consumers
+start first and stay alive; the contenders then take turns, each tensorbucket figure right
+before the peer it is compared with, so all of them sample the same stretch of time. A turn
+hands off for --warmup-ms without counting (after an idle spell this VM runs short memory-bound
+work 5-10x slower for the first ~1 ms), then counts --per-turn handoffs. Prints one JSON object
+per (contender, size): the median of all its counted handoffs, the median of each turn, and the
+median of the first handoff of each turn ("cold": what a producer that publishes now and then
+pays).
 
 Run with Debian's Python, which has torch, and the module meson built:
 PYTHONPATH=build/python /usr/bin/python3 bench/peers/python_peers.py
 """
 import argparse
-import functools
+import ctypes
 import json
 import os
 import statistics
@@ -34,118 +47,174 @@ def make_tensors(count, tensor_bytes):
     return {f"t{i}": torch.full((tensor_bytes // 4,), float(i), dtype=torch.float32) for i in range(count)}
 
 
-def state_dict_consumer(queue, results, repeats):
-    latencies = []
-    for _ in range(repeats):
-        start_ns, state = queue.get()
+def state_dict_consumer(queue, acks):
+    while (sent := queue.get()) is not None:
+        start_ns, state = sent
         assert len(state) > 0
-        latencies.append((time.monotonic_ns() - start_ns) / 1000)
-        del state
-        results.put(None)  # acknowledgement
-    results.put(latencies)
+        latency = (time.monotonic_ns() - start_ns) / 1000
+        del state, sent
+        acks.put(latency)
 
 
-def state_dict_peer(count, tensor_bytes, repeats):
-    tensors = make_tensors(count, tensor_bytes)
-    queue, results = mp.Queue(), mp.Queue()
-    consumer = mp.Process(target=state_dict_consumer, args=(queue, results, repeats))
-    consumer.start()
-    for _ in range(repeats):
-        start_ns = time.monotonic_ns()
-        # A fresh state dict each step, as a trainer sends its current parameters.
-        queue.put((start_ns, {name: t.clone() for name, t in tensors.items()}))
-        results.get()
-    latencies = results.get()
-    consumer.join()
-    return latencies
-
-
-def flat_bucket_consumer(buffer, queue, results, repeats):
-    latencies = []
-    for _ in range(repeats):
-        start_ns, metadata = queue.get()
+def flat_bucket_consumer(buffer, queue, acks):
+    while (sent := queue.get()) is not None:
+        start_ns, metadata = sent
         views = {name: buffer[offset:offset + numel].view(shape)
                  for name, (offset, numel, shape) in metadata.items()}
         assert len(views) > 0
-        latencies.append((time.monotonic_ns() - start_ns) / 1000)
+        latency = (time.monotonic_ns() - start_ns) / 1000
         del views
-        results.put(None)
-    results.put(latencies)
+        acks.put(latency)
 
 
-def flat_bucket_peer(count, tensor_bytes, repeats):
-    tensors = make_tensors(count, tensor_bytes)
-    total = sum(t.numel() for t in tensors.values())
-    buffer = torch.empty(total, dtype=torch.float32).share_memory_()
-    queue, results = mp.Queue(), mp.Queue()
-    consumer = mp.Process(target=flat_bucket_consumer, args=(buffer, queue, results, repeats))
-    consumer.start()
-    for _ in range(repeats):
-        start_ns = time.monotonic_ns()
-        metadata, offset = {}, 0
-        for name, t in tensors.items():
-            buffer[offset:offset + t.numel()].copy_(t.view(-1))
-            metadata[name] = (offset, t.numel(), tuple(t.shape))
-            offset += t.numel()
-        queue.put((start_ns, metadata))
-        results.get()
-    latencies = results.get()
-    consumer.join()
-    return latencies
-
-
-def tensorbucket_consumer(channel, all_views, results, repeats):
+def tensorbucket_consumer(channel, all_views, acks):
     import tensorbucket
     subscriber = tensorbucket.Subscriber(channel, timeout=30)
-    latencies = []
-    for _ in range(repeats):
-        bucket = subscriber.next(timeout=30)
+    while True:
+        try:
+            bucket = subscriber.next(timeout=30)
+        except tensorbucket.ProducerGone:  # closed after the last bucket
+            return
         views = bucket.tensors() if all_views else bucket
         assert len(views) > 0
         # The producer put its start time in the bucket's version.
-        latencies.append((time.monotonic_ns() - bucket.version) / 1000)
+        latency = (time.monotonic_ns() - bucket.version) / 1000
         del views
         bucket.release()
-        results.put(None)
-    results.put(latencies)
+        acks.put(latency)
 
 
-def tensorbucket_peer(count, tensor_bytes, repeats, all_views=False):
-    import tensorbucket
-    tensors = make_tensors(count, tensor_bytes)
-    channel = f"tbpeer-{os.getpid()}-{tensor_bytes}-{int(all_views)}"
-    publisher = tensorbucket.Publisher(channel, slots=2)
-    results = mp.Queue()
-    consumer = mp.Process(target=tensorbucket_consumer, args=(channel, all_views, results, repeats))
-    consumer.start()
-    for _ in range(repeats):
-        publisher.publish(tensors, version=time.monotonic_ns(), timeout=30)
-        results.get()
-    latencies = results.get()
-    consumer.join()
-    publisher.close()
-    return latencies
+class QueuePeer:
+    """A torch.multiprocessing queue to a consumer process, which acknowledges each handoff
+    with its latency; None stops it."""
+
+    def __init__(self, consumer, *args):
+        self.queue, self.acks = mp.Queue(), mp.Queue()
+        self.consumer = mp.Process(target=consumer, args=(*args, self.queue, self.acks))
+        self.consumer.start()
+
+    def close(self):
+        self.queue.put(None)
+        self.consumer.join()
+
+
+class StateDictPeer(QueuePeer):
+    def __init__(self, tensors):
+        super().__init__(state_dict_consumer)
+        self.tensors = tensors
+
+    def handoff(self):
+        # A fresh state dict each step, as a trainer sends its current parameters.
+        self.queue.put((time.monotonic_ns(), {name: t.clone() for name, t in self.tensors.items()}))
+        return self.acks.get()
+
+
+class FlatBucketPeer(QueuePeer):
+    def __init__(self, tensors):
+        buffer = torch.empty(sum(t.numel() for t in tensors.values()), dtype=torch.float32).share_memory_()
+        super().__init__(flat_bucket_consumer, buffer)
+        self.tensors, self.buffer = tensors, buffer
+
+    def handoff(self):
+        start_ns = time.monotonic_ns()
+        metadata, offset = {}, 0
+        for name, t in self.tensors.items():
+            self.buffer[offset:offset + t.numel()].copy_(t.view(-1))
+            metadata[name] = (offset, t.numel(), tuple(t.shape))
+            offset += t.numel()
+        self.queue.put((start_ns, metadata))
+        return self.acks.get()
+
+
+class TensorbucketPeer:
+    def __init__(self, tensors, all_views):
+        import tensorbucket
+        self.tensors = tensors
+        channel = f"tbpeer-{os.getpid()}-{int(all_views)}-{id(tensors)}"
+        self.publisher = tensorbucket.Publisher(channel, slots=2)
+        self.acks = mp.Queue()
+        self.consumer = mp.Process(target=tensorbucket_consumer, args=(channel, all_views, self.acks))
+        self.consumer.start()
+
+    def handoff(self):
+        self.publisher.publish(self.tensors, version=time.monotonic_ns(), timeout=30)
+        return self.acks.get()
+
+    def close(self):
+        self.publisher.close()
+        self.consumer.join()
+
+
+class Memcpy:
+    """One memcpy of all the tensors' bytes, between two buffers written once before."""
+
+    def __init__(self, tensors):
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.source = torch.ones(size, dtype=torch.uint8)
+        self.destination = torch.zeros(size, dtype=torch.uint8)
+
+    def handoff(self):
+        start_ns = time.monotonic_ns()
+        ctypes.memmove(self.destination.data_ptr(), self.source.data_ptr(), self.source.numel())
+        return (time.monotonic_ns() - start_ns) / 1000
+
+    def close(self):
+        pass
+
+
+def contenders(has_tensorbucket):
+    """In turn order: each tensorbucket figure right before the peer it is compared with."""
+    out = [("flat_bucket", FlatBucketPeer), ("memcpy", Memcpy), ("state_dict", StateDictPeer)]
+    if has_tensorbucket:
+        out.insert(0, ("tensorbucket", lambda t: TensorbucketPeer(t, all_views=False)))
+        out.insert(2, ("tensorbucket all views", lambda t: TensorbucketPeer(t, all_views=True)))
+    return out
+
+
+def take_turn(contender, warmup_s, counted):
+    """One turn: handoffs until warmup_s has passed (at least one), then `counted` more.
+    Returns the first latency (the cold one) and the counted ones."""
+    end = time.monotonic() + warmup_s
+    cold = contender.handoff()
+    while time.monotonic() < end:
+        contender.handoff()
+    return cold, [contender.handoff() for _ in range(counted)]
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--turns", type=int, default=5, help="turns each contender takes")
+    parser.add_argument("--per-turn", type=int, default=8, help="counted handoffs per turn (small case)")
+    parser.add_argument("--warmup-ms", type=float, default=50, help="uncounted handoffs first, each turn")
     args = parser.parse_args()
     mp.set_start_method("spawn")
     torch.set_num_threads(1)
-    peers = [("state_dict", state_dict_peer), ("flat_bucket", flat_bucket_peer)]
     try:
         import tensorbucket  # noqa: F401  (built by meson; on PYTHONPATH)
-        peers[:0] = [("tensorbucket", tensorbucket_peer),
-                     ("tensorbucket all views", functools.partial(tensorbucket_peer, all_views=True))]
+        has_tensorbucket = True
     except ImportError:
         print("tensorbucket module not importable: set PYTHONPATH to build/python", file=sys.stderr)
-    for name, peer in peers:
-        for label, tensor_bytes, repeats in (("1000 x 1 KiB", 1024, args.repeats),
-                                             ("1000 x 256 KiB", 256 * 1024, max(3, args.repeats // 5))):
-            latencies = peer(1000, tensor_bytes, repeats + 1)[1:]  # the first pays for start-up
-            print(json.dumps({"peer": name, "size": label, "median_us": statistics.median(latencies),
-                              "repeats": repeats}), flush=True)
+        has_tensorbucket = False
+    for label, tensor_bytes, per_turn in (("1000 x 1 KiB", 1024, args.per_turn),
+                                          ("1000 x 256 KiB", 256 * 1024, max(2, args.per_turn // 4))):
+        tensors = make_tensors(1000, tensor_bytes)
+        running = [(name, make(tensors)) for name, make in contenders(has_tensorbucket)]
+        for _, contender in running:
+            contender.handoff()  # returns once its consumer is up: no turn competes with a start-up
+        colds, turns = {name: [] for name, _ in running}, {name: [] for name, _ in running}
+        for _ in range(args.turns):
+            for name, contender in running:
+                cold, counted = take_turn(contender, args.warmup_ms / 1000, per_turn)
+                colds[name].append(cold)
+                turns[name].append(counted)
+        for _, contender in running:
+            contender.close()
+        for name, samples in turns.items():
+            print(json.dumps({"peer": name, "size": label,
+                              "median_us": statistics.median(x for turn in samples for x in turn),
+                              "turn_medians_us": [statistics.median(turn) for turn in samples],
+                              "cold_median_us": statistics.median(colds[name]),
+                              "per_turn": per_turn, "turns": args.turns}), flush=True)
 
 
 if __name__ == "__main__":
