@@ -177,8 +177,12 @@ bool fits(const at::Tensor& tensor, const ManifestEntry& entry) noexcept {
       tensor.layout() != at::kStrided) {
     return false;
   }
+  // An inline loop: std::equal becomes a memcmp call, a noticeable share of this at 1000 calls.
   auto sizes = tensor.sizes();
-  if (!std::equal(sizes.begin(), sizes.end(), entry.shape.begin(), entry.shape.end())) return false;
+  if (sizes.size() != entry.shape.size()) return false;
+  for (std::size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] != entry.shape[d]) return false;
+  }
   auto type = tensor.scalar_type();
   for (const auto& pair : kPairs) {
     if (pair.dtype == entry.dtype) return pair.type == type;

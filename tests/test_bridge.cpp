@@ -115,6 +115,9 @@ TEST(TorchBridge, AKeptLayoutPublishesEveryStepWithItsVersion) {
   }
   EXPECT_TRUE(torch_bridge::fits(torch::ones({8, 4}), layout.manifest().entries[0]));
   EXPECT_FALSE(torch_bridge::fits(torch::ones({4, 8}), layout.manifest().entries[0]));
+  EXPECT_FALSE(torch_bridge::fits(torch::ones({32}), layout.manifest().entries[0]));  // same numel
+  EXPECT_FALSE(torch_bridge::fits(torch::ones({8, 4, 1}), layout.manifest().entries[0]));
+  EXPECT_FALSE(torch_bridge::fits(torch::ones({8}), layout.manifest().entries[0]));  // a prefix
   EXPECT_FALSE(torch_bridge::fits(torch::ones({8, 4}, at::kDouble), layout.manifest().entries[0]));
   EXPECT_FALSE(torch_bridge::fits(torch::empty({8, 4}, at::kMeta), layout.manifest().entries[0]));
   // A tensor that no longer fits is refused before anything is reserved or published.
