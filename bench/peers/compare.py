@@ -1,6 +1,7 @@
 """Runs `tbucket bench --json` and the Python peers in one go and prints our ratio against each:
-the Python handoff against the best Python peer and against a memcpy of the same bytes (all
-from python_peers.py, which takes turns between them), then the C++ handoff against each peer.
+the Python handoff against each Python peer, the best first, and against a memcpy of the same
+bytes (all from python_peers.py, which takes turns between them), then the C++ handoff against
+each peer.
 
 /usr/bin/python3 bench/peers/compare.py build/tools/tbucket
 """
@@ -24,25 +25,27 @@ def main():
     for peer in peers:
         by_size.setdefault(peer["size"], {})[peer["peer"]] = peer
     for size, rows in by_size.items():
-        others = [row for name, row in rows.items() if not name.startswith("tensorbucket") and name != "memcpy"]
-        best = min(others, key=lambda row: row["median_us"])
+        others = sorted((row for name, row in rows.items() if not name.startswith("tensorbucket") and name != "memcpy"),
+                        key=lambda row: row["median_us"])
         for ours_name in ("tensorbucket", "tensorbucket all views"):
             if ours_name not in rows:
                 continue
             mine = rows[ours_name]
-            # Each turn of ours beside the best peer's turn that followed it.
-            turns = [theirs / us for theirs, us in zip(best["turn_medians_us"], mine["turn_medians_us"])]
-            print(f"{size:>16}: Python {ours_name:<22} {mine['median_us']:10.1f} us | best peer "
-                  f"{best['peer']} {best['median_us']:10.1f} us | {best['median_us'] / mine['median_us']:6.1f}x "
-                  f"faster (turns {min(turns):.1f}-{max(turns):.1f}x) | "
-                  f"{mine['median_us'] / rows['memcpy']['median_us']:.2f}x memcpy | first of a turn "
-                  f"{mine['cold_median_us']:.0f} us vs {best['cold_median_us']:.0f} us")
+            print(f"{size:>16}: Python {ours_name:<22} {mine['median_us']:10.1f} us | "
+                  f"{mine['median_us'] / rows['memcpy']['median_us']:.2f}x a memcpy of the same bytes | "
+                  f"first of a turn {mine['cold_median_us']:.0f} us")
+            for rank, peer in enumerate(others):
+                # Each turn of ours beside the same round's turn of the peer.
+                turns = [theirs / us for theirs, us in zip(peer["turn_medians_us"], mine["turn_medians_us"])]
+                print(f"{'':>18}{'best peer' if rank == 0 else 'peer':>9} {peer['peer']:<15} "
+                      f"{peer['median_us']:12.1f} us: {peer['median_us'] / mine['median_us']:8.1f}x faster "
+                      f"(turns {min(turns):.1f}-{max(turns):.1f}x) | first of a turn {peer['cold_median_us']:.0f} us")
     for peer in peers:
         if peer["peer"].startswith("tensorbucket") or peer["peer"] == "memcpy":
             continue
         mine = ours["copy " + peer["size"]]
         print(f"{peer['size']:>16}: C++ tensorbucket {mine['median_us']:10.1f} us | "
-              f"{peer['peer']:>11} {peer['median_us']:10.1f} us | "
+              f"{peer['peer']:>15} {peer['median_us']:10.1f} us | "
               f"{peer['median_us'] / mine['median_us']:7.1f}x faster")
     for name, row in ours.items():
         if row["baseline_us"]:

@@ -8,9 +8,10 @@ Three peers, each a producer (here) and a consumer process on one host:
   all 1000 views (Bucket.tensors()), as the flat_bucket consumer does;
 - state_dict: a torch.multiprocessing queue of a state dict (tensors move to shared memory and
   are pickled as file-descriptor handles on every send);
-- flat_bucket: one persistent shared flat buffer, the tensors copied into it, and the metadata
-  (name, dtype, shape, offset) sent over a torch.multiprocessing queue; the consumer rebuilds
-  views over the buffer.
+- flat_bucket: one persistent shared flat buffer, the tensors copied into it one by one, and
+  the metadata (name, dtype, shape, offset) sent over a torch.multiprocessing queue; the
+  consumer rebuilds views over the buffer. "flat_bucket_cat" fills the buffer with one
+  torch.cat instead, the fastest way to fill it from Python found here.
 And one baseline, "memcpy": a single memcpy of the same bytes between two buffers already
 written once, in this process.
 
@@ -21,7 +22,7 @@ same clock and protocol as `tbucket bench`.
 A machine's speed drifts (this 2-core VM's by up to 2x, over seconds to minutes), so timing
 one contender after the other would compare them under different conditions. All consumers
 start first and stay alive; the contenders then take turns, each tensorbucket figure right
-before the peer it is compared with, so all of them sample the same stretch of time. A turn
+before the peers it is compared with, so all of them sample the same stretch of time. A turn
 hands off for --warmup-ms without counting (after an idle spell this VM runs short memory-bound
 work 5-10x slower for the first ~1 ms), then counts --per-turn handoffs. Prints one JSON object
 per (contender, size): the median of all its counted handoffs, the median of each turn, and the
@@ -110,16 +111,19 @@ class StateDictPeer(QueuePeer):
 
 
 class FlatBucketPeer(QueuePeer):
-    def __init__(self, tensors):
+    def __init__(self, tensors, one_cat=False):
         buffer = torch.empty(sum(t.numel() for t in tensors.values()), dtype=torch.float32).share_memory_()
         super().__init__(flat_bucket_consumer, buffer)
-        self.tensors, self.buffer = tensors, buffer
+        self.tensors, self.buffer, self.one_cat = tensors, buffer, one_cat
 
     def handoff(self):
         start_ns = time.monotonic_ns()
+        if self.one_cat:
+            torch.cat([t.view(-1) for t in self.tensors.values()], out=self.buffer)
         metadata, offset = {}, 0
         for name, t in self.tensors.items():
-            self.buffer[offset:offset + t.numel()].copy_(t.view(-1))
+            if not self.one_cat:
+                self.buffer[offset:offset + t.numel()].copy_(t.view(-1))
             metadata[name] = (offset, t.numel(), tuple(t.shape))
             offset += t.numel()
         self.queue.put((start_ns, metadata))
@@ -163,11 +167,12 @@ class Memcpy:
 
 
 def contenders(has_tensorbucket):
-    """In turn order: each tensorbucket figure right before the peer it is compared with."""
-    out = [("flat_bucket", FlatBucketPeer), ("memcpy", Memcpy), ("state_dict", StateDictPeer)]
+    """In turn order: each tensorbucket figure right before the peers it is compared with."""
+    out = [("flat_bucket", FlatBucketPeer), ("flat_bucket_cat", lambda t: FlatBucketPeer(t, one_cat=True)),
+           ("memcpy", Memcpy), ("state_dict", StateDictPeer)]
     if has_tensorbucket:
         out.insert(0, ("tensorbucket", lambda t: TensorbucketPeer(t, all_views=False)))
-        out.insert(2, ("tensorbucket all views", lambda t: TensorbucketPeer(t, all_views=True)))
+        out.insert(3, ("tensorbucket all views", lambda t: TensorbucketPeer(t, all_views=True)))
     return out
 
 
