@@ -25,7 +25,8 @@ def main():
     for peer in peers:
         by_size.setdefault(peer["size"], {})[peer["peer"]] = peer
     for size, rows in by_size.items():
-        others = sorted((row for name, row in rows.items() if not name.startswith("tensorbucket") and name != "memcpy"),
+        others = sorted((row for name, row in rows.items()
+                         if not name.startswith("tensorbucket") and name != "memcpy"),
                         key=lambda row: row["median_us"])
         for ours_name in ("tensorbucket", "tensorbucket all views"):
             if ours_name not in rows:
@@ -39,7 +40,8 @@ def main():
                 turns = [theirs / us for theirs, us in zip(peer["turn_medians_us"], mine["turn_medians_us"])]
                 print(f"{'':>18}{'best peer' if rank == 0 else 'peer':>9} {peer['peer']:<15} "
                       f"{peer['median_us']:12.1f} us: {peer['median_us'] / mine['median_us']:8.1f}x faster "
-                      f"(turns {min(turns):.1f}-{max(turns):.1f}x) | first of a turn {peer['cold_median_us']:.0f} us")
+                      f"(turns {min(turns):.1f}-{max(turns):.1f}x) | "
+                      f"first of a turn {peer['cold_median_us']:.0f} us")
     for peer in peers:
         if peer["peer"].startswith("tensorbucket") or peer["peer"] == "memcpy":
             continue
