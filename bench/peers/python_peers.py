@@ -44,6 +44,10 @@ import torch
 import torch.multiprocessing as mp
 
 
+# A consumer that died never acknowledges: fail the run instead of waiting forever.
+ACK_TIMEOUT_S = 60
+
+
 def make_tensors(count, tensor_bytes):
     return {f"t{i}": torch.full((tensor_bytes // 4,), float(i), dtype=torch.float32) for i in range(count)}
 
@@ -107,7 +111,7 @@ class StateDictPeer(QueuePeer):
     def handoff(self):
         # A fresh state dict each step, as a trainer sends its current parameters.
         self.queue.put((time.monotonic_ns(), {name: t.clone() for name, t in self.tensors.items()}))
-        return self.acks.get()
+        return self.acks.get(timeout=ACK_TIMEOUT_S)
 
 
 class FlatBucketPeer(QueuePeer):
@@ -127,7 +131,7 @@ class FlatBucketPeer(QueuePeer):
             metadata[name] = (offset, t.numel(), tuple(t.shape))
             offset += t.numel()
         self.queue.put((start_ns, metadata))
-        return self.acks.get()
+        return self.acks.get(timeout=ACK_TIMEOUT_S)
 
 
 class TensorbucketPeer:
@@ -142,7 +146,7 @@ class TensorbucketPeer:
 
     def handoff(self):
         self.publisher.publish(self.tensors, version=time.monotonic_ns(), timeout=30)
-        return self.acks.get()
+        return self.acks.get(timeout=ACK_TIMEOUT_S)
 
     def close(self):
         self.publisher.close()
