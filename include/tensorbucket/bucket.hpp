@@ -122,9 +122,9 @@ struct TensorView {
 // Layouts a consumer already verified. Producers usually send the same layout every step (same
 // names, shapes and offsets; a new version and new bytes), so a hit costs a compare of the
 // manifest bytes (and a hash, when it is not the last bucket's layout) instead of a decode and
-// every rule. A hit requires every byte but the
-// identity fields (version, bucket_index, bucket_count) to be equal, and the same payload size
-// the layout was verified against. Not synchronized: one per consumer thread.
+// every rule. A hit requires every byte but the identity fields (version, bucket_index,
+// bucket_count) to be equal, and the same payload size the layout was verified against. Not
+// synchronized: one per consumer thread.
 class ManifestCache {
  public:
   explicit ManifestCache(std::size_t capacity = 64) : capacity_(capacity) {}
