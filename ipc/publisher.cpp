@@ -185,7 +185,7 @@ struct detail::PublisherState {
            " has an open reservation; commit or drop it first");
     }
     auto start_ns = ipc::monotonic_ns();
-    if (!claim(published, Clock::now() + timeout)) return std::nullopt;
+    if (!claim(published, ipc::deadline_after(timeout))) return std::nullopt;
     auto s = static_cast<std::uint32_t>(published % options.slots);
     // Consumers asleep waiting for this bucket wake now, and spin while it is written: their
     // wake-up overlaps the writing (see kWriteSpin in subscriber.cpp).
@@ -334,7 +334,7 @@ std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
 }
 
 bool Publisher::drain(std::chrono::milliseconds timeout) {
-  auto deadline = Clock::now() + timeout;
+  auto deadline = ipc::deadline_after(timeout);
   auto& state = *state_;
   for (;;) {
     auto wake = ipc::wake_count(state.control->producer_wake);

@@ -133,7 +133,7 @@ struct detail::Lease {
 Subscriber Subscriber::attach(std::string_view channel, std::chrono::milliseconds timeout) {
   ipc::validate_channel_name(channel);
   auto name = ipc::control_segment_name(channel);
-  auto deadline = Clock::now() + timeout;
+  auto deadline = ipc::deadline_after(timeout);
   std::optional<ipc::Segment> segment;
   for (;;) {
     try {
@@ -200,7 +200,7 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
   auto& state = *state_;
   auto* control = state.control;
   auto start = Clock::now();
-  auto deadline = start + timeout;
+  auto deadline = ipc::deadline_after(timeout);
   std::optional<Clock::time_point> writing_since;  // when we first saw the slot being written
   for (;;) {
     auto wake = ipc::wake_count(control->consumer_wake);

@@ -157,6 +157,22 @@ TEST_F(Channel, PublishTimesOutWhileNoSlotIsFree) {
   EXPECT_EQ(publisher.published(), 1u);
 }
 
+TEST_F(Channel, LongestTimeoutWaitsWithoutLimit) {
+  constexpr auto forever = std::chrono::milliseconds::max();
+  Workload workload{.tensors = 2, .tensor_bytes = 64};
+  auto publisher = Publisher::create(channel);
+  auto subscriber = Subscriber::attach(channel, forever);
+  std::thread late([&] {
+    std::this_thread::sleep_for(50ms);
+    EXPECT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, forever));
+  });
+  auto bucket = subscriber.next(forever);
+  late.join();
+  ASSERT_TRUE(bucket.has_value());
+  bucket->release();
+  EXPECT_TRUE(publisher.drain(forever));
+}
+
 TEST_F(Channel, LateConsumerStartsFromOldestHeldBucket) {
   Workload workload{.buckets = 3, .tensors = 2, .tensor_bytes = 64};
   auto publisher = Publisher::create(channel, {.slots = 2});

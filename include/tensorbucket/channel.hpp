@@ -12,6 +12,8 @@
 // - Segments are created O_EXCL with `mode` (0600 by default), opened only when owned by our
 //   uid, and removed by close(); a dead producer's segments are removed by the next producer
 //   of the same channel name, while a live producer's channel gives ChannelExists.
+// - Timeouts bound every wait: zero (or less) looks once, milliseconds::max() waits without
+//   limit.
 //
 // Thread safety: a Publisher or Subscriber is used by one thread at a time; a ReceivedBucket
 // may be read from many threads and released from any. Each is a per-process handle.
