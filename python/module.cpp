@@ -2,6 +2,7 @@
 // LibTorch bridge. Waiting and copying run without the GIL.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <optional>
@@ -18,8 +19,46 @@ namespace {
 // Raised by publish() when no slot came free; becomes tensorbucket.Timeout.
 struct PublishTimeout {};
 
-std::chrono::milliseconds to_ms(double seconds) {
-  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000));
+using Clock = std::chrono::steady_clock;
+using Deadline = std::optional<Clock::time_point>;  // none: no limit
+
+// The longest a wait runs without the GIL: between slices Python runs its signal handlers.
+constexpr auto kSignalCheck = std::chrono::milliseconds(50);
+
+// How Python writes a float: 0.5, -1.0, nan.
+std::string as_text(double seconds) { return py::str(py::float_(seconds)); }
+
+// When a wait of `seconds` from now ends: never for None, inf, or more than a clock can hold.
+// A negative or NaN timeout would end every wait at once: an error instead.
+Deadline deadline_in(std::optional<double> seconds) {
+  if (!seconds || *seconds > 1e9) return std::nullopt;  // inf included; 1e9 s is ~32 years
+  if (!(*seconds >= 0)) {
+    throw Error(ErrorCode::InvalidArgument,
+                "timeout must be seconds >= 0, or None for no limit, not " + as_text(*seconds));
+  }
+  auto wait = std::chrono::duration<double>(*seconds);
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(wait);
+}
+
+// Calls attempt(slice) without the GIL, in slices of at most kSignalCheck, until it returns
+// something true or `deadline` passes; returns its last result. Each attempt either finishes
+// or leaves nothing done, so Ctrl+C between two of them interrupts a long wait cleanly.
+template <class Attempt>
+auto wait_until(Deadline deadline, Attempt&& attempt) {
+  for (;;) {
+    auto slice = kSignalCheck;
+    if (deadline) {
+      auto left = std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now());
+      slice = std::clamp(left, std::chrono::milliseconds(0), kSignalCheck);
+    }
+    decltype(attempt(slice)) result;
+    {
+      py::gil_scoped_release unlocked;
+      result = attempt(slice);
+    }
+    if (result || (deadline && Clock::now() >= *deadline)) return result;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  }
 }
 
 // Calls visit(name, tensor) for each item of a mapping {name: tensor} (a dict, a Bucket) or of
@@ -117,11 +156,13 @@ class PyPublisher {
   // ManifestMismatch, before anything is reserved) when one changed; any other call checks
   // everything and keeps its layout instead.
   void publish(const py::handle& tensors, std::uint64_t version, std::uint32_t bucket_index,
-               std::uint32_t bucket_count, const py::handle& groups, double timeout) {
+               std::uint32_t bucket_count, const py::handle& groups,
+               std::optional<double> timeout) {
+    auto deadline = deadline_in(timeout);
     auto group_list = to_groups(groups);
     if (kept_ && kept_->groups == group_list && stage_kept(tensors)) {
       try {
-        return publish_staged(version, bucket_index, bucket_count, timeout);
+        return publish_staged(version, bucket_index, bucket_count, deadline);
       } catch (const Error& e) {
         if (e.code() != ErrorCode::ManifestMismatch) throw;  // a dtype or shape changed
       }
@@ -133,12 +174,11 @@ class PyPublisher {
     fresh.groups = std::move(group_list);
     for (auto& [name, tensor] : named) staged_.push_back(std::move(tensor));
     kept_ = std::move(fresh);
-    publish_staged(version, bucket_index, bucket_count, timeout);
+    publish_staged(version, bucket_index, bucket_count, deadline);
   }
 
-  bool drain(double timeout) {
-    py::gil_scoped_release unlocked;
-    return publisher_.drain(to_ms(timeout));
+  bool drain(std::optional<double> timeout) {
+    return wait_until(deadline_in(timeout), [&](auto slice) { return publisher_.drain(slice); });
   }
   void close() { publisher_.close(); }
   std::uint64_t published() const { return publisher_.published(); }
@@ -167,17 +207,15 @@ class PyPublisher {
 
   // Publishes staged_ through the kept layout, without the GIL; staged_ is emptied either way.
   void publish_staged(std::uint64_t version, std::uint32_t bucket_index,
-                      std::uint32_t bucket_count, double timeout) {
+                      std::uint32_t bucket_count, Deadline deadline) {
     struct Unstage {
       std::vector<at::Tensor>& staged;
       ~Unstage() { staged.clear(); }  // with the GIL: a tensor may be the last owner of its object
     } unstage{staged_};
     kept_->builder.version(version).bucket(bucket_index, bucket_count);
-    bool published;
-    {
-      py::gil_scoped_release unlocked;
-      published = torch_bridge::publish_in_place(publisher_, kept_->builder, staged_, to_ms(timeout));
-    }
+    bool published = wait_until(deadline, [&](auto slice) {
+      return torch_bridge::publish_in_place(publisher_, kept_->builder, staged_, slice);
+    });
     if (!published) throw PublishTimeout{};
   }
 
@@ -265,26 +303,36 @@ class PyBucket {
 
 class PySubscriber {
  public:
-  PySubscriber(const std::string& channel, double timeout)
-      : subscriber_([&] {
-          py::gil_scoped_release unlocked;
-          return Subscriber::attach(channel, to_ms(timeout));
-        }()) {}
+  PySubscriber(const std::string& channel, std::optional<double> timeout)
+      : subscriber_(attach(channel, timeout)) {}
 
-  std::optional<PyBucket> next(double timeout, const py::handle& expected) {
+  std::optional<PyBucket> next(std::optional<double> timeout, const py::handle& expected) {
+    auto deadline = deadline_in(timeout);
     std::optional<Manifest> expected_manifest;
     if (!expected.is_none()) expected_manifest = to_manifest(expected);
-    std::optional<ReceivedBucket> bucket;
-    {
-      py::gil_scoped_release unlocked;
-      bucket = subscriber_.next(to_ms(timeout),
-                                {.expected = expected_manifest ? &*expected_manifest : nullptr});
-    }
+    VerifyOptions options{.expected = expected_manifest ? &*expected_manifest : nullptr};
+    auto bucket = wait_until(deadline, [&](auto slice) { return subscriber_.next(slice, options); });
     if (!bucket) return std::nullopt;
     return PyBucket(std::move(*bucket));
   }
 
  private:
+  static Subscriber attach(const std::string& channel, std::optional<double> timeout) {
+    auto attached = wait_until(deadline_in(timeout), [&](auto slice) -> std::optional<Subscriber> {
+      try {
+        return Subscriber::attach(channel, slice);
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::ChannelMissing) throw;
+        return std::nullopt;  // not there yet
+      }
+    });
+    if (!attached) {
+      throw Error(ErrorCode::ChannelMissing,
+                  "channel '" + channel + "' did not appear within " + as_text(*timeout) + " s");
+    }
+    return std::move(*attached);
+  }
+
   Subscriber subscriber_;
 };
 
@@ -305,7 +353,9 @@ void load_into(const py::object& module, const py::handle& tensors) {
 }  // namespace
 
 PYBIND11_MODULE(tensorbucket, m) {
-  m.doc() = "Move named torch tensors between processes as verified zero-copy buckets.";
+  m.doc() = "Move named torch tensors between processes as verified zero-copy buckets.\n\n"
+            "Every timeout is in seconds; None waits without limit. Ctrl+C interrupts any wait, "
+            "and an interrupted publish() has published nothing.";
 
   // One Python class per error family, all under tensorbucket.Error.
   static py::exception<Error> error(m, "Error");
@@ -382,7 +432,8 @@ PYBIND11_MODULE(tensorbucket, m) {
   py::module_::import("collections.abc").attr("Mapping").attr("register")(m.attr("Bucket"));
 
   py::class_<PySubscriber>(m, "Subscriber")
-      .def(py::init<const std::string&, double>(), py::arg("channel"), py::arg("timeout") = 10.0)
+      .def(py::init<const std::string&, std::optional<double>>(), py::arg("channel"),
+           py::arg("timeout") = 10.0, "Attach, waiting up to timeout for the channel to appear.")
       .def("next", &PySubscriber::next, py::arg("timeout") = 10.0, py::arg("expected") = py::none(),
            "The next bucket, verified; None when none arrived within timeout.");
 

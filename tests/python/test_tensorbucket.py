@@ -1,8 +1,10 @@
 """The Python module: round trips, inputs, error classes, and a trainer and a server as two
 processes (examples/)."""
 import collections.abc
+import math
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import threading
@@ -116,8 +118,60 @@ def test_the_gil_is_free_while_publish_and_next_wait(channel):
 
 
 def test_missing_channel_is_a_channel_error(channel):
-    with pytest.raises(tensorbucket.ChannelError, match="did not appear"):
+    with pytest.raises(tensorbucket.ChannelError, match="did not appear within 0.02 s"):
         tensorbucket.Subscriber(channel, timeout=0.02)
+
+
+def test_none_waits_without_limit_and_a_bad_timeout_is_refused(channel):
+    publisher = tensorbucket.Publisher(channel)
+    subscriber = tensorbucket.Subscriber(channel, timeout=None)
+    late = threading.Timer(0.2, publisher.publish, ({"a": torch.ones(1)},), {"timeout": None})
+    late.start()
+    bucket = subscriber.next(timeout=None)  # 0.2 s later, long after the first 50 ms slice
+    late.join()
+    assert bucket is not None and torch.equal(bucket["a"], torch.ones(1))
+    bucket.release()
+    assert publisher.drain(timeout=math.inf)
+    for bad in (-1, math.nan):
+        for wait in (lambda: publisher.publish({"a": torch.ones(1)}, timeout=bad),
+                     lambda: publisher.drain(timeout=bad),
+                     lambda: subscriber.next(timeout=bad),
+                     lambda: tensorbucket.Subscriber(channel, timeout=bad)):
+            with pytest.raises(tensorbucket.Error, match="timeout must be seconds >= 0"):
+                wait()
+    assert publisher.published == 1
+
+
+def test_ctrl_c_interrupts_every_wait(channel):
+    def interrupted(wait):
+        """Whether SIGINT 0.2 s into wait() ends it with KeyboardInterrupt before its 20 s."""
+        timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+        start = time.monotonic()
+        timer.start()
+        try:
+            wait()
+        except KeyboardInterrupt:
+            return time.monotonic() - start < 10
+        finally:
+            timer.cancel()
+        return False
+
+    # A test runner started in the background may have SIGINT ignored: handle it as Python does.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        publisher = tensorbucket.Publisher(channel, slots=1)
+        subscriber = tensorbucket.Subscriber(channel, timeout=5)
+        assert interrupted(lambda: subscriber.next(timeout=20))
+        publisher.publish({"a": torch.ones(1)})
+        held = subscriber.next(timeout=5)  # the only slot stays leased: publish and drain wait
+        assert interrupted(lambda: publisher.publish({"a": torch.zeros(1)}, timeout=20))
+        assert publisher.published == 1, "an interrupted publish must publish nothing"
+        assert interrupted(lambda: publisher.drain(timeout=20))
+        assert interrupted(lambda: tensorbucket.Subscriber(channel + "-none", timeout=20))
+        held.release()
+        assert publisher.drain(timeout=5)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_closed_producer_is_producer_gone(channel):
