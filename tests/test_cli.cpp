@@ -123,6 +123,13 @@ TEST_F(Cli, TerminatedProducerRemovesItsSegments) {
   EXPECT_EQ(wait_for(producer), 128 + SIGTERM);
 }
 
+TEST_F(Cli, TerminatedConsumerStopsWaitingForTheChannel) {
+  auto consumer = spawn({"consume", "--channel", channel, "--timeout-ms", "20000"});
+  std::this_thread::sleep_for(200ms);  // past installing its handlers, into the wait
+  ::kill(consumer, SIGTERM);
+  EXPECT_EQ(wait_for(consumer), 128 + SIGTERM);  // not 6 (ChannelMissing) 20 s later
+}
+
 TEST_F(Cli, InspectShowsTheChannel) {
   cli::Workload workload{.tensors = 2, .tensor_bytes = 64};
   auto publisher = Publisher::create(channel);

@@ -2,6 +2,8 @@
 // errors as one line on stderr; tbucket.cpp parses the command line into these options.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -54,5 +56,20 @@ int run_bench(const BenchOptions& options);
 // they close the channel (removing its segments) before exiting.
 void install_stop_handlers();
 int stop_signal();  // 0 while running
+
+// Longest single wait, so a stop signal is noticed promptly.
+constexpr auto kWaitSlice = std::chrono::milliseconds(50);
+
+// Retries `attempt(slice)` until it succeeds, `timeout_ms` passes, or a stop signal arrives.
+template <class Attempt>
+bool with_deadline(std::uint64_t timeout_ms, Attempt&& attempt) {
+  using Clock = std::chrono::steady_clock;
+  auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  for (;;) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (attempt(std::clamp(left, std::chrono::milliseconds(0), kWaitSlice))) return true;
+    if (stop_signal() != 0 || Clock::now() >= deadline) return false;
+  }
+}
 
 }  // namespace tensorbucket::cli

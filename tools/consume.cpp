@@ -17,16 +17,27 @@ std::uint64_t monotonic_ns() {
 
 int run_consume(const ConsumeOptions& options) {
   install_stop_handlers();
-  auto timeout = std::chrono::milliseconds(options.timeout_ms);
-  auto subscriber = Subscriber::attach(options.channel, timeout);
+  std::optional<Subscriber> subscriber;
+  with_deadline(options.timeout_ms, [&](auto slice) {
+    try {
+      subscriber.emplace(Subscriber::attach(options.channel, slice));
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::ChannelMissing) throw;  // not there yet
+    }
+    return subscriber.has_value();
+  });
+  if (stop_signal() != 0) return 128 + stop_signal();
+  if (!subscriber) {
+    throw Error(ErrorCode::ChannelMissing, "channel '" + options.channel + "' did not appear within " +
+                                               std::to_string(options.timeout_ms) + " ms");
+  }
   for (std::uint64_t received = 0; options.buckets == 0 || received < options.buckets; ++received) {
     std::optional<ReceivedBucket> bucket;
     try {
-      // Bounded slices, so a stop signal is noticed while waiting.
-      auto deadline = std::chrono::steady_clock::now() + timeout;
-      while (!bucket && stop_signal() == 0 && std::chrono::steady_clock::now() < deadline) {
-        bucket = subscriber.next(std::chrono::milliseconds(50));
-      }
+      with_deadline(options.timeout_ms, [&](auto slice) {
+        bucket = subscriber->next(slice);
+        return bucket.has_value();
+      });
     } catch (const Error& e) {
       if (e.code() == ErrorCode::ProducerGone && options.buckets == 0) return kOk;
       throw;

@@ -10,19 +10,6 @@ namespace tensorbucket::cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-// Waits are cut into slices this long so a stop signal is noticed promptly.
-constexpr auto kSlice = std::chrono::milliseconds(50);
-
-// Retries `attempt(slice)` until it succeeds, the timeout passes, or a stop signal arrives.
-template <class Attempt>
-bool with_deadline(std::uint64_t timeout_ms, Attempt&& attempt) {
-  auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
-  for (;;) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    if (attempt(std::clamp(left, std::chrono::milliseconds(0), kSlice))) return true;
-    if (stop_signal() != 0 || Clock::now() >= deadline) return false;
-  }
-}
 
 int stopped() {
   std::fprintf(stderr, "tbucket: stopped by signal %d; channel closed\n", stop_signal());
