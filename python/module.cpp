@@ -83,9 +83,9 @@ void for_each_item(const py::handle& tensors, Visit&& visit) {
 // The tensor a Python object holds; InvalidArgument naming the entry otherwise.
 const at::Tensor& tensor_of(const py::handle& value, const std::string& name) {
   if (!THPVariable_Check(value.ptr())) {
-    throw Error(ErrorCode::InvalidArgument, "entry '" + name + "' is a " +
+    throw Error(ErrorCode::InvalidArgument, "entry '" + name + "' is of type " +
                                                 std::string(Py_TYPE(value.ptr())->tp_name) +
-                                                ", not a torch.Tensor");
+                                                ", not torch.Tensor");
   }
   return THPVariable_Unpack(value.ptr());
 }

@@ -270,7 +270,7 @@ def test_each_publish_sends_the_current_tensors_whatever_changed(channel):
 def test_a_value_that_is_not_a_tensor_is_named(channel):
     publisher = tensorbucket.Publisher(channel)
     publisher.publish({"w": torch.ones(2)})
-    with pytest.raises(tensorbucket.Error, match="entry 'w' is a list, not a torch.Tensor"):
+    with pytest.raises(tensorbucket.Error, match="entry 'w' is of type list, not torch.Tensor"):
         publisher.publish({"w": [1.0, 2.0]})
     with pytest.raises(tensorbucket.Error, match="names must be str, not int"):
         publisher.publish({3: torch.ones(2)})
