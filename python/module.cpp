@@ -80,9 +80,16 @@ void for_each_item(const py::handle& tensors, Visit&& visit) {
   }
 }
 
+// Whether a Python object is a torch.Tensor. THPVariable_Check alone is an isinstance() that,
+// for any type but Tensor itself, goes through the metaclass's __instancecheck__: ~30 ns, which
+// made a publish of 1000 nn.Parameters ~50% slower than one of their state_dict() copies.
+bool is_tensor(const py::handle& value) {
+  return THPVariable_CheckExact(value.ptr()) || THPVariable_Check(value.ptr());
+}
+
 // The tensor a Python object holds; InvalidArgument naming the entry otherwise.
 const at::Tensor& tensor_of(const py::handle& value, const std::string& name) {
-  if (!THPVariable_Check(value.ptr())) {
+  if (!is_tensor(value)) {
     throw Error(ErrorCode::InvalidArgument, "entry '" + name + "' is of type " +
                                                 std::string(Py_TYPE(value.ptr())->tp_name) +
                                                 ", not torch.Tensor");
@@ -198,7 +205,7 @@ class PyPublisher {
     bool named_alike = true;
     for_each_item(tensors, [&](py::handle key, py::handle value) {
       named_alike = named_alike && i < entries.size() &&
-                    names(key, kept_->keys[i], entries[i].name) && THPVariable_Check(value.ptr());
+                    names(key, kept_->keys[i], entries[i].name) && is_tensor(value);
       if (named_alike) staged_.push_back(THPVariable_Unpack(value.ptr()));
       ++i;
     });

@@ -1,7 +1,8 @@
 """Where a Python-level handoff spends its time: publish(), next() and tensors() timed apart,
 in one process (no wake-up of another process), steady state, medians over 500 rounds each.
 publish() and next() are timed in the first 500 rounds, which make no views: making 1000 views
-evicts the caches the next publish() uses. tensors() is timed in the 500 after.
+evicts the caches the next publish() uses. tensors() is timed in the 500 after. One case sends
+nn.Parameters, as a trainer publishing its named_parameters() does.
 
 PYTHONPATH=build/python /usr/bin/python3 bench/peers/python_breakdown.py
 """
@@ -23,8 +24,11 @@ def main():
     channel = f"tbbreakdown-{os.getpid()}"
     with tensorbucket.Publisher(channel, slots=2) as publisher:
         subscriber = tensorbucket.Subscriber(channel, timeout=5)
-        for count, numel in ((1000, 1), (1000, 256), (10, 25600)):
+        for count, numel, kind in ((1000, 1, ""), (1000, 256, ""), (1000, 256, " nn.Parameter"),
+                                   (10, 25600, "")):
             tensors = {f"t{i}": torch.full((numel,), float(i)) for i in range(count)}
+            if kind:  # what a trainer's named_parameters() holds
+                tensors = {name: torch.nn.Parameter(t) for name, t in tensors.items()}
             publish, take, views = [], [], []
             for version in range(1000):
                 start = time.perf_counter_ns()
@@ -40,7 +44,7 @@ def main():
                     views.append(time.perf_counter_ns() - taken)
                     del all_views
                 bucket.release()
-            print(f"{count} x {numel * 4} B: publish {median_us(publish):.1f} us, next "
+            print(f"{count} x {numel * 4} B{kind}: publish {median_us(publish):.1f} us, next "
                   f"{median_us(take):.1f} us, tensors() {median_us(views):.1f} us")
 
 

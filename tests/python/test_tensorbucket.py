@@ -267,6 +267,28 @@ def test_each_publish_sends_the_current_tensors_whatever_changed(channel):
         assert list(bucket) == ["w2", "b"]
 
 
+def test_parameters_and_tensor_subclasses_are_sent_by_value(channel):
+    """A trainer's own parameters (named_parameters(), state_dict(keep_vars=True)) and Tensor
+    subclasses go out as their values, on the first publish and through the kept layout."""
+    class Tagged(torch.Tensor):
+        pass
+
+    model = torch.nn.Linear(3, 2)
+    weights = {**dict(model.named_parameters()), "tagged": torch.arange(3.0).as_subclass(Tagged)}
+    publisher = tensorbucket.Publisher(channel)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    for version in range(3):
+        publisher.publish(weights, version=version)
+        with subscriber.next(timeout=5) as bucket:
+            assert list(bucket) == ["weight", "bias", "tagged"]
+            for name, tensor in weights.items():
+                assert type(bucket[name]) is torch.Tensor and not bucket[name].requires_grad
+                assert torch.equal(bucket[name], tensor.detach()), (version, name)
+        with torch.no_grad():  # an optimizer step: in place
+            model.weight.add_(1)
+            weights["tagged"].mul_(2)
+
+
 def test_a_value_that_is_not_a_tensor_is_named(channel):
     publisher = tensorbucket.Publisher(channel)
     publisher.publish({"w": torch.ones(2)})
