@@ -2,7 +2,8 @@
 in one process (no wake-up of another process), steady state, medians over 500 rounds each.
 publish() and next() are timed in the first 500 rounds, which make no views: making 1000 views
 evicts the caches the next publish() uses. tensors() is timed in the 500 after. One case sends
-nn.Parameters, as a trainer publishing its named_parameters() does.
+nn.Parameters, as a trainer publishing its named_parameters() does. Last, what a trainer pays
+to build the dict it publishes: state_dict() of a model with 1000 parameters, every step.
 
 PYTHONPATH=build/python /usr/bin/python3 bench/peers/python_breakdown.py
 """
@@ -46,6 +47,15 @@ def main():
                 bucket.release()
             print(f"{count} x {numel * 4} B{kind}: publish {median_us(publish):.1f} us, next "
                   f"{median_us(take):.1f} us, tensors() {median_us(views):.1f} us")
+
+    model = torch.nn.ModuleList(torch.nn.Linear(16, 16, bias=False) for _ in range(1000))
+    for keep_vars in (False, True):
+        rounds = []
+        for _ in range(200):
+            start = time.perf_counter_ns()
+            model.state_dict(keep_vars=keep_vars)
+            rounds.append(time.perf_counter_ns() - start)
+        print(f"state_dict(keep_vars={keep_vars}) of 1000 x 1024 B parameters: {median_us(rounds):.1f} us")
 
 
 if __name__ == "__main__":

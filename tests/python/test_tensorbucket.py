@@ -289,6 +289,28 @@ def test_parameters_and_tensor_subclasses_are_sent_by_value(channel):
             weights["tagged"].mul_(2)
 
 
+def test_a_state_dict_built_once_sends_every_steps_weights(channel):
+    """The README's trainer: one state_dict(keep_vars=True), published after each optimizer
+    step, sends what a fresh state_dict() would hold, batch-norm statistics included."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    weights = model.state_dict(keep_vars=True)
+    publisher = tensorbucket.Publisher(channel)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    for step in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(8, 4)).square().sum().backward()
+        optimizer.step()
+        publisher.publish(weights, version=step)
+        expected = model.state_dict()
+        with subscriber.next(timeout=5) as bucket:
+            assert list(bucket) == list(expected)
+            for name, tensor in expected.items():
+                assert torch.equal(bucket[name], tensor), (step, name)
+        assert expected["1.num_batches_tracked"].item() == step + 1
+
+
 def test_a_value_that_is_not_a_tensor_is_named(channel):
     publisher = tensorbucket.Publisher(channel)
     publisher.publish({"w": torch.ones(2)})
