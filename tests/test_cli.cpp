@@ -130,6 +130,14 @@ TEST_F(Cli, TerminatedConsumerStopsWaitingForTheChannel) {
   EXPECT_EQ(wait_for(consumer), 128 + SIGTERM);  // not 6 (ChannelMissing) 20 s later
 }
 
+TEST_F(Cli, LongestTimeoutWaitsWithoutLimit) {
+  // 2^64 - 1 ms overflowed the deadline into the past: the consumer gave up at once.
+  auto consumer = spawn({"consume", "--channel", channel, "--timeout-ms", "18446744073709551615"});
+  std::this_thread::sleep_for(300ms);
+  ::kill(consumer, SIGTERM);
+  EXPECT_EQ(wait_for(consumer), 128 + SIGTERM);  // still waiting, not 6 (ChannelMissing)
+}
+
 TEST_F(Cli, InspectShowsTheChannel) {
   cli::Workload workload{.tensors = 2, .tensor_bytes = 64};
   auto publisher = Publisher::create(channel);

@@ -61,10 +61,15 @@ int stop_signal();  // 0 while running
 constexpr auto kWaitSlice = std::chrono::milliseconds(50);
 
 // Retries `attempt(slice)` until it succeeds, `timeout_ms` passes, or a stop signal arrives.
+// A timeout past what the clock can hold waits without limit.
 template <class Attempt>
 bool with_deadline(std::uint64_t timeout_ms, Attempt&& attempt) {
   using Clock = std::chrono::steady_clock;
-  auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  auto now = Clock::now();
+  auto room = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::time_point::max() - now);
+  auto deadline = timeout_ms >= static_cast<std::uint64_t>(room.count())
+                      ? Clock::time_point::max()
+                      : now + std::chrono::milliseconds(timeout_ms);
   for (;;) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (attempt(std::clamp(left, std::chrono::milliseconds(0), kWaitSlice))) return true;
