@@ -251,25 +251,26 @@ at::Tensor tensor(std::shared_ptr<const ReceivedBucket> bucket, std::size_t inde
   return view_of(view.manifest().entries.at(index), view[index].bytes, std::move(bucket));
 }
 
-Manifest expected_manifest(const torch::nn::Module& module) {
+Manifest manifest_of(const NamedTensors& tensors) {
   Manifest manifest;
-  for (const auto& [name, tensor] : named_tensors(module)) {
+  for (const auto& [name, tensor] : tensors) {
     manifest.entries.push_back({name, dtype_of(tensor.scalar_type(), name), shape_of(tensor), 0, 0, ""});
   }
   return manifest;
 }
 
-void load_into(torch::nn::Module& module, const NamedTensors& tensors) {
-  Manifest received;
-  for (const auto& [name, tensor] : tensors) {
-    received.entries.push_back({name, dtype_of(tensor.scalar_type(), name), shape_of(tensor), 0, 0, ""});
-  }
-  check_expected(received, expected_manifest(module));  // throws before anything is copied
-  auto targets = named_tensors(module);
+Manifest expected_manifest(const torch::nn::Module& module) { return manifest_of(named_tensors(module)); }
+
+void load_into(const NamedTensors& targets, const NamedTensors& tensors) {
+  check_expected(manifest_of(tensors), manifest_of(targets));  // throws before anything is copied
   std::unordered_map<std::string_view, const at::Tensor*> by_name;
   for (const auto& [name, tensor] : tensors) by_name.emplace(name, &tensor);
   at::NoGradGuard no_grad;
-  for (auto& [name, target] : targets) target.copy_(*by_name.at(name));
+  for (const auto& [name, target] : targets) target.copy_(*by_name.at(name));
+}
+
+void load_into(torch::nn::Module& module, const NamedTensors& tensors) {
+  load_into(named_tensors(module), tensors);
 }
 
 }  // namespace tensorbucket::torch_bridge

@@ -112,16 +112,7 @@ NamedTensors to_named(const py::handle& tensors, std::vector<py::object>* keys =
   return out;
 }
 
-Manifest to_manifest(const py::handle& tensors) {
-  Manifest manifest;
-  for (const auto& [name, tensor] : to_named(tensors)) {
-    auto sizes = tensor.sizes();
-    manifest.entries.push_back({name, torch_bridge::dtype_of(tensor.scalar_type(), name),
-                                Shape(std::span<const std::int64_t>(sizes.data(), sizes.size())),
-                                0, 0, ""});
-  }
-  return manifest;
-}
+Manifest to_manifest(const py::handle& tensors) { return torch_bridge::manifest_of(to_named(tensors)); }
 
 // {group: [member, ...]} or None.
 std::vector<ManifestGroup> to_groups(const py::handle& groups) {
@@ -345,16 +336,12 @@ class PySubscriber {
 
 // Strict load_state_dict: every problem in one error, nothing copied when any.
 void load_into(const py::object& module, const py::handle& tensors) {
-  auto state = module.attr("state_dict")();
-  check_expected(to_manifest(tensors), to_manifest(state));
-  auto targets = state.cast<py::dict>();
-  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (target, source)
-  for (auto& [name, tensor] : to_named(tensors)) {
-    copies.emplace_back(THPVariable_Unpack(targets[py::str(name)].ptr()), std::move(tensor));
-  }
+  // keep_vars: the parameters themselves, without a detach() each, which is half the cost of a
+  // state_dict() (1.2 of 2.3 ms for 1000 entries)
+  auto targets = to_named(module.attr("state_dict")(py::arg("keep_vars") = true));
+  auto sources = to_named(tensors);
   py::gil_scoped_release unlocked;
-  at::NoGradGuard no_grad;
-  for (auto& [target, source] : copies) target.copy_(source);
+  torch_bridge::load_into(targets, sources);
 }
 
 }  // namespace

@@ -2,8 +2,8 @@
 in one process (no wake-up of another process), steady state, medians over 500 rounds each.
 publish() and next() are timed in the first 500 rounds, which make no views: making 1000 views
 evicts the caches the next publish() uses. tensors() is timed in the 500 after. One case sends
-nn.Parameters, as a trainer publishing its named_parameters() does. Last, what a trainer pays
-to build the dict it publishes: state_dict() of a model with 1000 parameters, every step.
+nn.Parameters, as a trainer publishing its named_parameters() does. Last, a model's own steps at
+either end: state_dict() in the trainer, loading a bucket in the server.
 
 PYTHONPATH=build/python /usr/bin/python3 bench/peers/python_breakdown.py
 """
@@ -48,15 +48,23 @@ def main():
             print(f"{count} x {numel * 4} B{kind}: publish {median_us(publish):.1f} us, next "
                   f"{median_us(take):.1f} us, tensors() {median_us(views):.1f} us")
 
-    model = torch.nn.ModuleList(torch.nn.Linear(16, 16, bias=False) for _ in range(1000))
-    for keep_vars in (False, True):
-        rounds = []
-        for _ in range(200):
-            start = time.perf_counter_ns()
-            model.state_dict(keep_vars=keep_vars)
-            rounds.append(time.perf_counter_ns() - start)
-        print(f"state_dict(keep_vars={keep_vars}) of 1000 x 1024 B parameters: {median_us(rounds):.1f} us")
-
+        # Either end of a model with 1000 parameters of 1 KiB: what a trainer pays to build the
+        # dict it publishes, and a server to load a bucket (torch's own load_state_dict is
+        # quadratic in the number of modules).
+        model = torch.nn.ModuleList(torch.nn.Linear(16, 16, bias=False) for _ in range(1000))
+        publisher.publish(model.state_dict(), version=0)
+        with subscriber.next(timeout=5) as bucket:
+            steps = {"state_dict()": model.state_dict,
+                     "state_dict(keep_vars=True)": lambda: model.state_dict(keep_vars=True),
+                     "load_into(model, bucket)": lambda: tensorbucket.load_into(model, bucket),
+                     "model.load_state_dict(bucket)": lambda: model.load_state_dict(bucket)}
+            for name, step in steps.items():
+                rounds = []
+                for _ in range(20):
+                    start = time.perf_counter_ns()
+                    step()
+                    rounds.append(time.perf_counter_ns() - start)
+                print(f"1000 x 1024 B parameters: {name} {median_us(rounds):.0f} us")
 
 if __name__ == "__main__":
     main()

@@ -77,6 +77,9 @@ at::Tensor tensor(std::shared_ptr<const ReceivedBucket> bucket, std::size_t inde
 // Views over an in-process bucket; `view`'s payload must outlive them.
 NamedTensors tensors(const BucketView& view);
 
+// The names, dtypes and shapes of `tensors`, in order: what VerifyOptions::expected and
+// check_expected() compare.
+Manifest manifest_of(const NamedTensors& tensors);
 // What `module` expects to receive: its parameters' and buffers' names, dtypes and shapes.
 Manifest expected_manifest(const torch::nn::Module& module);
 
@@ -84,5 +87,8 @@ Manifest expected_manifest(const torch::nn::Module& module);
 // load_state_dict: one ManifestMismatch lists every missing, unexpected, dtype- and
 // shape-mismatched name, and nothing is copied when anything is wrong.
 void load_into(torch::nn::Module& module, const NamedTensors& tensors);
+// The same into `targets`, matched by name: a module's tensors gathered some other way (the
+// Python module passes a state_dict()).
+void load_into(const NamedTensors& targets, const NamedTensors& tensors);
 
 }  // namespace tensorbucket::torch_bridge
