@@ -61,23 +61,38 @@ auto wait_until(Deadline deadline, Attempt&& attempt) {
   }
 }
 
+// Calls visit(name, tensor) for a (name, tensor) pair: a tuple or a list of two.
+template <class Visit>
+void visit_pair(PyObject* pair, Visit& visit) {
+  if (!(PyTuple_Check(pair) || PyList_Check(pair)) || PySequence_Fast_GET_SIZE(pair) != 2) {
+    throw Error(ErrorCode::InvalidArgument, "expected (name, tensor) pairs, not an item of type " +
+                                                std::string(Py_TYPE(pair)->tp_name));
+  }
+  visit(py::handle(PySequence_Fast_GET_ITEM(pair, 0)), py::handle(PySequence_Fast_GET_ITEM(pair, 1)));
+}
+
 // Calls visit(name, tensor) for each item of a mapping {name: tensor} (a dict, a Bucket) or of
 // an iterable of (name, tensor) pairs, in its order. Borrowed handles, valid during the call.
+// Dicts, lists and tuples are read in place: through Python's iterator protocol a list of 1000
+// pairs took ~30 us longer to publish than the same dict.
 template <class Visit>
 void for_each_item(const py::handle& tensors, Visit&& visit) {
-  if (PyDict_Check(tensors.ptr())) {
+  PyObject* all = tensors.ptr();
+  if (PyDict_Check(all)) {
     PyObject *key, *value;
     Py_ssize_t at = 0;
-    while (PyDict_Next(tensors.ptr(), &at, &key, &value)) visit(py::handle(key), py::handle(value));
+    while (PyDict_Next(all, &at, &key, &value)) visit(py::handle(key), py::handle(value));
+    return;
+  }
+  if (PyList_Check(all) || PyTuple_Check(all)) {
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(all); ++i) {
+      visit_pair(PySequence_Fast_GET_ITEM(all, i), visit);
+    }
     return;
   }
   py::iterable items = py::hasattr(tensors, "items") ? py::iterable(tensors.attr("items")())
                                                       : py::reinterpret_borrow<py::iterable>(tensors);
-  for (auto item : items) {
-    auto pair = item.cast<py::tuple>();
-    if (pair.size() != 2) throw Error(ErrorCode::InvalidArgument, "expected (name, tensor) pairs");
-    visit(pair[0], pair[1]);
-  }
+  for (auto item : items) visit_pair(item.ptr(), visit);
 }
 
 // Whether a Python object is a torch.Tensor. THPVariable_Check alone is an isinstance() that,

@@ -63,6 +63,26 @@ def test_accepts_a_list_of_pairs_and_groups(channel):
     assert set(bucket.tensors()) == {"q.weight", "q.scales"}
 
 
+def test_pairs_come_in_any_sequence_or_iterable_and_bad_ones_are_named(channel):
+    model = torch.nn.Linear(2, 3)
+    expected = dict(model.named_parameters())
+    publisher = tensorbucket.Publisher(channel)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    inputs = [list(expected.items()), tuple(expected.items()),
+              [[name, tensor] for name, tensor in expected.items()], model.named_parameters()]
+    for version, tensors in enumerate(inputs):
+        publisher.publish(tensors, version=version)
+        with subscriber.next(timeout=5) as bucket:
+            assert list(bucket) == ["weight", "bias"]
+            for name, tensor in expected.items():
+                assert torch.equal(bucket[name], tensor), (version, name)
+    for bad, item_type in [([("w", torch.ones(1), "extra")], "tuple"), (["w"], "str"),
+                           ((t for t in [torch.ones(1)]), "Tensor")]:
+        with pytest.raises(tensorbucket.Error, match=f"expected \\(name, tensor\\) pairs, not an item of type {item_type}"):
+            publisher.publish(bad)
+    assert publisher.published == len(inputs)
+
+
 def test_refuses_a_meta_tensor_with_a_manifest_error(channel):
     publisher = tensorbucket.Publisher(channel)
     with pytest.raises(tensorbucket.ManifestError, match="'w' is a meta tensor"):
