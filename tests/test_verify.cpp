@@ -2,6 +2,7 @@
 // error code, that the message names the culprit, and that no view was produced.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "support.hpp"
@@ -231,6 +232,23 @@ TEST(Verify, AcceptsBucketMatchingExpectedManifest) {
   Manifest expected = f.manifest;
   for (auto& entry : expected.entries) entry.byte_offset = 0;  // offsets are not compared
   EXPECT_NO_THROW(BucketView::open(f.frame(), f.payload.span(), {.expected = &expected}));
+}
+
+TEST(Verify, AcceptsExpectedManifestInAnotherOrder) {
+  Fixture f;
+  Manifest expected = f.manifest;
+  std::ranges::reverse(expected.entries);
+  EXPECT_NO_THROW(BucketView::open(f.frame(), f.payload.span(), {.expected = &expected}));
+}
+
+TEST(Verify, ReportsOneDifferenceInAnOtherwiseEqualExpectedManifest) {
+  Fixture f;
+  Manifest expected = f.manifest;
+  expected.entries.back().shape = {1, 2, 3};
+  auto message = expect_rejected(ErrorCode::ManifestMismatch, f.frame(), f.payload.span(),
+                                 {.expected = &expected});
+  auto part = "'" + expected.entries.back().name + "' has shape";
+  EXPECT_NE(message.find(part), std::string::npos) << part << " not in: " << message;
 }
 
 TEST(Verify, ReportsEveryExpectedManifestDifferenceInOneError) {
