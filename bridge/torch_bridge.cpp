@@ -253,6 +253,7 @@ at::Tensor tensor(std::shared_ptr<const ReceivedBucket> bucket, std::size_t inde
 
 Manifest manifest_of(const NamedTensors& tensors) {
   Manifest manifest;
+  manifest.entries.reserve(tensors.size());
   for (const auto& [name, tensor] : tensors) {
     manifest.entries.push_back({name, dtype_of(tensor.scalar_type(), name), shape_of(tensor), 0, 0, ""});
   }
