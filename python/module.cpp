@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <optional>
 
 #include "tensorbucket/tensorbucket.hpp"
@@ -59,6 +60,21 @@ auto wait_until(Deadline deadline, Attempt&& attempt) {
     if (result || (deadline && Clock::now() >= *deadline)) return result;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
   }
+}
+
+// A C++ Publisher or Subscriber serves one thread at a time (channel.hpp), and its wrapper gives
+// up the GIL while it waits and copies, which lets another thread in: each call takes a turn
+// first. Waits as wait_until does; false, with nothing done, when `deadline` passed first.
+using Turn = std::unique_lock<std::timed_mutex>;
+
+bool take_turn(Turn& turn, Deadline deadline) {
+  return turn.try_lock() || wait_until(deadline, [&](auto slice) { return turn.try_lock_for(slice); });
+}
+
+Turn take_turn(std::timed_mutex& mutex) {
+  Turn turn(mutex, std::defer_lock);
+  take_turn(turn, std::nullopt);
+  return turn;
 }
 
 // Calls visit(name, tensor) for a (name, tensor) pair: a tuple or a list of two.
@@ -172,6 +188,8 @@ class PyPublisher {
                std::uint32_t bucket_count, const py::handle& groups,
                std::optional<double> timeout) {
     auto deadline = deadline_in(timeout);
+    Turn turn(turn_, std::defer_lock);
+    if (!take_turn(turn, deadline)) throw PublishTimeout{};
     auto group_list = to_groups(groups);
     if (kept_ && kept_->groups == group_list && stage_kept(tensors)) {
       try {
@@ -191,10 +209,19 @@ class PyPublisher {
   }
 
   bool drain(std::optional<double> timeout) {
-    return wait_until(deadline_in(timeout), [&](auto slice) { return publisher_.drain(slice); });
+    auto deadline = deadline_in(timeout);
+    Turn turn(turn_, std::defer_lock);
+    return take_turn(turn, deadline) &&
+           wait_until(deadline, [&](auto slice) { return publisher_.drain(slice); });
   }
-  void close() { publisher_.close(); }
-  std::uint64_t published() const { return publisher_.published(); }
+  void close() {
+    auto turn = take_turn(turn_);
+    publisher_.close();
+  }
+  std::uint64_t published() {
+    auto turn = take_turn(turn_);
+    return publisher_.published();
+  }
 
  private:
   struct Kept {
@@ -232,6 +259,7 @@ class PyPublisher {
     if (!published) throw PublishTimeout{};
   }
 
+  std::timed_mutex turn_;
   Publisher publisher_;
   std::optional<Kept> kept_;
   std::vector<at::Tensor> staged_;  // this call's tensors in layout order; reused for capacity
@@ -324,6 +352,8 @@ class PySubscriber {
     std::optional<Manifest> expected_manifest;
     if (!expected.is_none()) expected_manifest = to_manifest(expected);
     VerifyOptions options{.expected = expected_manifest ? &*expected_manifest : nullptr};
+    Turn turn(turn_, std::defer_lock);
+    if (!take_turn(turn, deadline)) return std::nullopt;
     auto bucket = wait_until(deadline, [&](auto slice) { return subscriber_.next(slice, options); });
     if (!bucket) return std::nullopt;
     return PyBucket(std::move(*bucket));
@@ -346,6 +376,7 @@ class PySubscriber {
     return std::move(*attached);
   }
 
+  std::timed_mutex turn_;
   Subscriber subscriber_;
 };
 
@@ -364,7 +395,8 @@ void load_into(const py::object& module, const py::handle& tensors) {
 PYBIND11_MODULE(tensorbucket, m) {
   m.doc() = "Move named torch tensors between processes as verified zero-copy buckets.\n\n"
             "Every timeout is in seconds; None waits without limit. Ctrl+C interrupts any wait, "
-            "and an interrupted publish() has published nothing.";
+            "and an interrupted publish() has published nothing. Threads sharing a Publisher or a "
+            "Subscriber take turns.";
 
   // One Python class per error family, all under tensorbucket.Error.
   static py::exception<Error> error(m, "Error");

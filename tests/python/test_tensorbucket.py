@@ -137,6 +137,45 @@ def test_the_gil_is_free_while_publish_and_next_wait(channel):
     assert len(ticks) > 50, "another thread could not run while next() waited"
 
 
+def test_threads_sharing_a_publisher_or_a_subscriber_take_turns(channel):
+    """A C++ handle serves one thread at a time; two threads publishing through one Publisher
+    crashed the interpreter before. Every bucket arrives once, whole."""
+    per_thread = 150
+    publisher = tensorbucket.Publisher(channel, slots=4)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    received, torn = [], []
+
+    def produce(k):
+        tensors = {f"t{i}": torch.full((64,), float(k)) for i in range(100)}
+        for step in range(per_thread):
+            publisher.publish(tensors, version=k * per_thread + step, timeout=30)
+
+    def consume():
+        try:
+            while (bucket := subscriber.next(timeout=30)) is not None:
+                with bucket:
+                    k = bucket.version // per_thread
+                    if not all(torch.equal(t, torch.full((64,), float(k))) for t in bucket.values()):
+                        torn.append(bucket.version)
+                    received.append(bucket.version)
+        except tensorbucket.ProducerGone:
+            pass
+
+    producers = [threading.Thread(target=produce, args=(k,)) for k in range(2)]
+    consumers = [threading.Thread(target=consume) for _ in range(2)]
+    for thread in producers + consumers:
+        thread.start()
+    for thread in producers:
+        thread.join()
+    assert publisher.published == 2 * per_thread
+    assert publisher.drain(timeout=30)
+    publisher.close()
+    for thread in consumers:
+        thread.join()
+    assert sorted(received) == list(range(2 * per_thread))
+    assert torn == []
+
+
 def test_missing_channel_is_a_channel_error(channel):
     with pytest.raises(tensorbucket.ChannelError, match="did not appear within 0.02 s"):
         tensorbucket.Subscriber(channel, timeout=0.02)
