@@ -128,14 +128,26 @@ const at::Tensor& tensor_of(const py::handle& value, const std::string& name) {
   return THPVariable_Unpack(value.ptr());
 }
 
+// A tensor or group name as UTF-8; InvalidArgument when it is not a str or has no UTF-8 form
+// (a lone surrogate).
+std::string name_of(const py::handle& name, const char* what = "tensor names") {
+  if (!PyUnicode_Check(name.ptr())) {
+    throw Error(ErrorCode::InvalidArgument, std::string(what) + " must be str, not " +
+                                                std::string(Py_TYPE(name.ptr())->tp_name));
+  }
+  Py_ssize_t size = 0;
+  const char* utf8 = PyUnicode_AsUTF8AndSize(name.ptr(), &size);
+  if (utf8 == nullptr) {
+    PyErr_Clear();
+    throw Error(ErrorCode::InvalidArgument, "name " + std::string(py::repr(name)) + " has no UTF-8 form");
+  }
+  return std::string(utf8, static_cast<std::size_t>(size));
+}
+
 NamedTensors to_named(const py::handle& tensors, std::vector<py::object>* keys = nullptr) {
   NamedTensors out;
   for_each_item(tensors, [&](py::handle key, py::handle value) {
-    if (!PyUnicode_Check(key.ptr())) {
-      throw Error(ErrorCode::InvalidArgument, "tensor names must be str, not " +
-                                                  std::string(Py_TYPE(key.ptr())->tp_name));
-    }
-    auto name = key.cast<std::string>();
+    auto name = name_of(key);
     const auto& tensor = tensor_of(value, name);
     out.emplace_back(std::move(name), tensor);
     if (keys != nullptr) keys->push_back(py::reinterpret_borrow<py::object>(key));
@@ -149,8 +161,17 @@ Manifest to_manifest(const py::handle& tensors) { return torch_bridge::manifest_
 std::vector<ManifestGroup> to_groups(const py::handle& groups) {
   std::vector<ManifestGroup> out;
   if (groups.is_none()) return out;
-  for (auto item : groups.cast<py::dict>()) {
-    out.push_back({item.first.cast<std::string>(), item.second.cast<std::vector<std::string>>()});
+  if (!PyDict_Check(groups.ptr())) {
+    throw Error(ErrorCode::InvalidArgument, "groups must be a dict {group: [member, ...]}, not " +
+                                                std::string(Py_TYPE(groups.ptr())->tp_name));
+  }
+  for (auto [group, members] : groups.cast<py::dict>()) {
+    auto& added = out.emplace_back(ManifestGroup{name_of(group, "group names"), {}});
+    if (!PyList_Check(members.ptr()) && !PyTuple_Check(members.ptr())) {  // a str would iterate
+      throw Error(ErrorCode::InvalidArgument, "group '" + added.name + "': members must be a list or tuple of names, not " +
+                                                  std::string(Py_TYPE(members.ptr())->tp_name));
+    }
+    for (auto member : members) added.members.push_back(name_of(member, "group members"));
   }
   return out;
 }

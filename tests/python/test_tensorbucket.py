@@ -4,6 +4,7 @@ import collections.abc
 import math
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -377,7 +378,22 @@ def test_a_value_that_is_not_a_tensor_is_named(channel):
         publisher.publish({"w": [1.0, 2.0]})
     with pytest.raises(tensorbucket.Error, match="names must be str, not int"):
         publisher.publish({3: torch.ones(2)})
+    with pytest.raises(tensorbucket.Error, match=r"name '\\udcff' has no UTF-8 form"):
+        publisher.publish({"\udcff": torch.ones(2)})
     assert publisher.published == 1
+
+
+@pytest.mark.parametrize("groups, message", [
+    (["g"], "groups must be a dict {group: [member, ...]}, not list"),
+    ({"g": "ab"}, "group 'g': members must be a list or tuple of names, not str"),
+    ({"g": ["a", 1]}, "group members must be str, not int"),
+    ({1: ["a"]}, "group names must be str, not int"),
+])
+def test_malformed_groups_are_named(channel, groups, message):
+    publisher = tensorbucket.Publisher(channel)
+    with pytest.raises(tensorbucket.Error, match=re.escape(message)):
+        publisher.publish({"a": torch.ones(1), "b": torch.ones(1)}, groups=groups)
+    assert publisher.published == 0
 
 
 def test_load_into_is_strict_and_copies_nothing_on_mismatch():
