@@ -77,12 +77,16 @@ Turn take_turn(std::timed_mutex& mutex) {
   return turn;
 }
 
+// The name of a Python object's type, for error messages: "int", "list".
+std::string type_name(PyObject* value) { return Py_TYPE(value)->tp_name; }
+std::string type_name(const py::handle& value) { return type_name(value.ptr()); }
+
 // Calls visit(name, tensor) for a (name, tensor) pair: a tuple or a list of two.
 template <class Visit>
 void visit_pair(PyObject* pair, Visit& visit) {
   if (!(PyTuple_Check(pair) || PyList_Check(pair)) || PySequence_Fast_GET_SIZE(pair) != 2) {
-    throw Error(ErrorCode::InvalidArgument, "expected (name, tensor) pairs, not an item of type " +
-                                                std::string(Py_TYPE(pair)->tp_name));
+    throw Error(ErrorCode::InvalidArgument,
+                "expected (name, tensor) pairs, not an item of type " + type_name(pair));
   }
   visit(py::handle(PySequence_Fast_GET_ITEM(pair, 0)), py::handle(PySequence_Fast_GET_ITEM(pair, 1)));
 }
@@ -121,9 +125,8 @@ bool is_tensor(const py::handle& value) {
 // The tensor a Python object holds; InvalidArgument naming the entry otherwise.
 const at::Tensor& tensor_of(const py::handle& value, const std::string& name) {
   if (!is_tensor(value)) {
-    throw Error(ErrorCode::InvalidArgument, "entry '" + name + "' is of type " +
-                                                std::string(Py_TYPE(value.ptr())->tp_name) +
-                                                ", not torch.Tensor");
+    throw Error(ErrorCode::InvalidArgument,
+                "entry '" + name + "' is of type " + type_name(value) + ", not torch.Tensor");
   }
   return THPVariable_Unpack(value.ptr());
 }
@@ -132,8 +135,7 @@ const at::Tensor& tensor_of(const py::handle& value, const std::string& name) {
 // (a lone surrogate).
 std::string name_of(const py::handle& name, const char* what = "tensor names") {
   if (!PyUnicode_Check(name.ptr())) {
-    throw Error(ErrorCode::InvalidArgument, std::string(what) + " must be str, not " +
-                                                std::string(Py_TYPE(name.ptr())->tp_name));
+    throw Error(ErrorCode::InvalidArgument, std::string(what) + " must be str, not " + type_name(name));
   }
   Py_ssize_t size = 0;
   const char* utf8 = PyUnicode_AsUTF8AndSize(name.ptr(), &size);
@@ -162,14 +164,15 @@ std::vector<ManifestGroup> to_groups(const py::handle& groups) {
   std::vector<ManifestGroup> out;
   if (groups.is_none()) return out;
   if (!PyDict_Check(groups.ptr())) {
-    throw Error(ErrorCode::InvalidArgument, "groups must be a dict {group: [member, ...]}, not " +
-                                                std::string(Py_TYPE(groups.ptr())->tp_name));
+    throw Error(ErrorCode::InvalidArgument,
+                "groups must be a dict {group: [member, ...]}, not " + type_name(groups));
   }
   for (auto [group, members] : groups.cast<py::dict>()) {
     auto& added = out.emplace_back(ManifestGroup{name_of(group, "group names"), {}});
     if (!PyList_Check(members.ptr()) && !PyTuple_Check(members.ptr())) {  // a str would iterate
-      throw Error(ErrorCode::InvalidArgument, "group '" + added.name + "': members must be a list or tuple of names, not " +
-                                                  std::string(Py_TYPE(members.ptr())->tp_name));
+      throw Error(ErrorCode::InvalidArgument, "group '" + added.name +
+                                                  "': members must be a list or tuple of names, not " +
+                                                  type_name(members));
     }
     for (auto member : members) added.members.push_back(name_of(member, "group members"));
   }
