@@ -7,6 +7,8 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
+#include <string_view>
 
 #include "tensorbucket/tensorbucket.hpp"
 #include "tensorbucket/torch.hpp"
@@ -131,19 +133,29 @@ const at::Tensor& tensor_of(const py::handle& value, const std::string& name) {
   return THPVariable_Unpack(value.ptr());
 }
 
-// A tensor or group name as UTF-8; InvalidArgument when it is not a str or has no UTF-8 form
-// (a lone surrogate).
+// A str's UTF-8 form, kept by the str; none for anything else, or a str without one (a lone
+// surrogate).
+std::optional<std::string_view> utf8_of(const py::handle& text) {
+  if (!PyUnicode_Check(text.ptr())) return std::nullopt;
+  Py_ssize_t size = 0;
+  const char* utf8 = PyUnicode_AsUTF8AndSize(text.ptr(), &size);
+  if (utf8 == nullptr) {
+    PyErr_Clear();
+    return std::nullopt;
+  }
+  return std::string_view(utf8, static_cast<std::size_t>(size));
+}
+
+// A tensor or group name; InvalidArgument when it is not a str or has no UTF-8 form.
 std::string name_of(const py::handle& name, const char* what = "tensor names") {
   if (!PyUnicode_Check(name.ptr())) {
     throw Error(ErrorCode::InvalidArgument, std::string(what) + " must be str, not " + type_name(name));
   }
-  Py_ssize_t size = 0;
-  const char* utf8 = PyUnicode_AsUTF8AndSize(name.ptr(), &size);
-  if (utf8 == nullptr) {
-    PyErr_Clear();
+  auto utf8 = utf8_of(name);
+  if (!utf8) {
     throw Error(ErrorCode::InvalidArgument, "name " + std::string(py::repr(name)) + " has no UTF-8 form");
   }
-  return std::string(utf8, static_cast<std::size_t>(size));
+  return std::string(*utf8);
 }
 
 NamedTensors to_named(const py::handle& tensors, std::vector<py::object>* keys = nullptr) {
@@ -183,14 +195,8 @@ std::vector<ManifestGroup> to_groups(const py::handle& groups) {
 // equal one.
 bool names(const py::handle& key, const py::object& kept_key, const std::string& name) {
   if (key.ptr() == kept_key.ptr()) return true;
-  if (!PyUnicode_Check(key.ptr())) return false;
-  Py_ssize_t size = 0;
-  const char* utf8 = PyUnicode_AsUTF8AndSize(key.ptr(), &size);
-  if (utf8 == nullptr) {
-    PyErr_Clear();  // not encodable: not equal either; the slow path will say why
-    return false;
-  }
-  return std::string_view(utf8, static_cast<std::size_t>(size)) == name;
+  auto utf8 = utf8_of(key);  // none: not equal either, and the slow path will say why
+  return utf8 && *utf8 == name;
 }
 
 class PyPublisher {
