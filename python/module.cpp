@@ -66,17 +66,15 @@ auto wait_until(Deadline deadline, Attempt&& attempt) {
 
 // A C++ Publisher or Subscriber serves one thread at a time (channel.hpp), and its wrapper gives
 // up the GIL while it waits and copies, which lets another thread in: each call takes a turn
-// first. Waits as wait_until does; false, with nothing done, when `deadline` passed first.
+// first. Waits as wait_until does; none, with nothing done, when `deadline` passed first.
 using Turn = std::unique_lock<std::timed_mutex>;
 
-bool take_turn(Turn& turn, Deadline deadline) {
-  return turn.try_lock() || wait_until(deadline, [&](auto slice) { return turn.try_lock_for(slice); });
-}
-
-Turn take_turn(std::timed_mutex& mutex) {
-  Turn turn(mutex, std::defer_lock);
-  take_turn(turn, std::nullopt);
-  return turn;
+std::optional<Turn> take_turn(std::timed_mutex& mutex, Deadline deadline = std::nullopt) {
+  Turn turn(mutex, std::try_to_lock);
+  if (turn.owns_lock() || wait_until(deadline, [&](auto slice) { return turn.try_lock_for(slice); })) {
+    return turn;
+  }
+  return std::nullopt;
 }
 
 // The name of a Python object's type, for error messages: "int", "list".
@@ -218,8 +216,8 @@ class PyPublisher {
                std::uint32_t bucket_count, const py::handle& groups,
                std::optional<double> timeout) {
     auto deadline = deadline_in(timeout);
-    Turn turn(turn_, std::defer_lock);
-    if (!take_turn(turn, deadline)) throw PublishTimeout{};
+    auto turn = take_turn(turn_, deadline);
+    if (!turn) throw PublishTimeout{};
     auto group_list = to_groups(groups);
     if (kept_ && kept_->groups == group_list && stage_kept(tensors)) {
       try {
@@ -240,8 +238,8 @@ class PyPublisher {
 
   bool drain(std::optional<double> timeout) {
     auto deadline = deadline_in(timeout);
-    Turn turn(turn_, std::defer_lock);
-    return take_turn(turn, deadline) &&
+    auto turn = take_turn(turn_, deadline);
+    return turn &&
            wait_until(deadline, [&](auto slice) { return publisher_.drain(slice); });
   }
   void close() {
@@ -382,8 +380,8 @@ class PySubscriber {
     std::optional<Manifest> expected_manifest;
     if (!expected.is_none()) expected_manifest = to_manifest(expected);
     VerifyOptions options{.expected = expected_manifest ? &*expected_manifest : nullptr};
-    Turn turn(turn_, std::defer_lock);
-    if (!take_turn(turn, deadline)) return std::nullopt;
+    auto turn = take_turn(turn_, deadline);
+    if (!turn) return std::nullopt;
     auto bucket = wait_until(deadline, [&](auto slice) { return subscriber_.next(slice, options); });
     if (!bucket) return std::nullopt;
     return PyBucket(std::move(*bucket));
