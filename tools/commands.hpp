@@ -61,19 +61,17 @@ int stop_signal();  // 0 while running
 constexpr auto kWaitSlice = std::chrono::milliseconds(50);
 
 // Retries `attempt(slice)` until it succeeds, `timeout_ms` passes, or a stop signal arrives.
-// A timeout past what the clock can hold waits without limit.
+// Counts the time spent against the timeout rather than computing a deadline, which
+// now() + 2^64 - 1 ms would overflow into the past.
 template <class Attempt>
 bool with_deadline(std::uint64_t timeout_ms, Attempt&& attempt) {
-  using Clock = std::chrono::steady_clock;
-  auto now = Clock::now();
-  auto room = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::time_point::max() - now);
-  auto deadline = timeout_ms >= static_cast<std::uint64_t>(room.count())
-                      ? Clock::time_point::max()
-                      : now + std::chrono::milliseconds(timeout_ms);
+  using namespace std::chrono;
+  auto limit = milliseconds(std::min<std::uint64_t>(timeout_ms, milliseconds::max().count()));
+  auto start = steady_clock::now();
+  auto spent = [&] { return duration_cast<milliseconds>(steady_clock::now() - start); };
   for (;;) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    if (attempt(std::clamp(left, std::chrono::milliseconds(0), kWaitSlice))) return true;
-    if (stop_signal() != 0 || Clock::now() >= deadline) return false;
+    if (attempt(std::clamp(limit - spent(), milliseconds(0), kWaitSlice))) return true;
+    if (stop_signal() != 0 || spent() >= limit) return false;
   }
 }
 
