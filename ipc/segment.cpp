@@ -1,7 +1,13 @@
 #include "segment.hpp"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 
 #include <boost/interprocess/shared_memory_object.hpp>
 
@@ -14,12 +20,46 @@ namespace bip = boost::interprocess;
 using text::fail;
 using text::Quoted;
 
+namespace {
+
+std::string gib(std::uint64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f GiB", static_cast<double>(bytes) / (1u << 30));
+  return text;
+}
+
+// Sizes a new object and allocates all of its memory now. ftruncate alone leaves it sparse:
+// a bucket larger than the shared-memory filesystem's free space then fails only while being
+// written, with SIGBUS, or with the OOM killer when that filesystem is as large as the memory,
+// and leaves a full filesystem behind. posix_fallocate fails instead, with nothing written.
+void reserve(int fd, const std::string& name, std::size_t bytes) {
+  struct statvfs filesystem {};
+  if (::fstatvfs(fd, &filesystem) == 0) {
+    // Checked first: tmpfs would fill up before refusing, and squeeze everyone else meanwhile.
+    auto free_bytes = static_cast<std::uint64_t>(filesystem.f_bavail) * filesystem.f_frsize;
+    if (bytes > free_bytes) {
+      fail(ErrorCode::SystemError, "shared memory ", Quoted{name}, " needs ", bytes, " bytes (",
+           gib(bytes), ") but its filesystem has ", free_bytes, " (", gib(free_bytes), ") free");
+    }
+  }
+  int error = 0;
+  do {  // a signal interrupts tmpfs's allocation; it resumes where it stopped
+    error = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  } while (error == EINTR);
+  if (error != 0) {
+    fail(ErrorCode::SystemError, "cannot allocate ", bytes, " bytes (", gib(bytes),
+         ") of shared memory for ", Quoted{name}, ": ", std::strerror(error));
+  }
+}
+
+}  // namespace
+
 Segment Segment::create(const std::string& name, std::size_t bytes, mode_t mode) {
   try {
     bip::permissions permissions(static_cast<int>(mode));
     bip::shared_memory_object shm(bip::create_only, name.c_str(), bip::read_write, permissions);
     try {
-      shm.truncate(static_cast<bip::offset_t>(bytes));
+      reserve(shm.get_mapping_handle().handle, name, bytes);
       return Segment(bip::mapped_region(shm, bip::read_write));
     } catch (...) {
       bip::shared_memory_object::remove(name.c_str());

@@ -14,8 +14,9 @@ namespace tensorbucket::ipc {
 
 class Segment {
  public:
-  // Creates `name` exclusively (O_EXCL) with `mode` and `bytes` (zero-filled), mapped
-  // read-write. ChannelExists when the name is taken, SystemError otherwise.
+  // Creates `name` exclusively (O_EXCL) with `mode` and `bytes` (zero-filled, all allocated
+  // now), mapped read-write. ChannelExists when the name is taken, SystemError otherwise:
+  // among others when `bytes` do not fit in the shared-memory filesystem.
   static Segment create(const std::string& name, std::size_t bytes, mode_t mode);
 
   // Maps an existing `name`; nullopt when it does not exist. PermissionDenied when another

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <fcntl.h>
 #include <unistd.h>
@@ -289,6 +290,30 @@ TEST_F(Channel, SlotsGrowForLargerBuckets) {
     ASSERT_TRUE(bucket.has_value());
     EXPECT_EQ(cli::check_bucket(bucket->view(), workload.seed, 0), "") << bytes;
   }
+}
+
+// Before, the slot's segment was created sparse and the reservation succeeded; writing it
+// would have ended in SIGBUS or the OOM killer, leaving /dev/shm full.
+TEST_F(Channel, RefusesBucketLargerThanSharedMemory) {
+  struct statvfs filesystem {};
+  ASSERT_EQ(::statvfs("/dev/shm", &filesystem), 0);
+  std::int64_t too_large = static_cast<std::int64_t>(filesystem.f_blocks * filesystem.f_frsize) + (1 << 30);
+  BucketBuilder layout;
+  layout.declare("huge", DType::U8, Shape{too_large});
+  auto publisher = Publisher::create(channel, {.slots = 1});
+  auto subscriber = Subscriber::attach(channel, 1s);
+  auto error = expect_error(ErrorCode::SystemError, [&] { publisher.reserve(layout, 1s); });
+  EXPECT_NE(error.find(channel + ".slot0"), std::string::npos) << error;
+  EXPECT_NE(error.find("free"), std::string::npos) << error;
+  EXPECT_EQ(segments_of(channel), std::vector<std::string>{"tensorbucket." + channel});
+  EXPECT_EQ(publisher.published(), 0u);
+  EXPECT_FALSE(subscriber.try_next().has_value());
+
+  Workload workload{.tensors = 2, .tensor_bytes = 64};
+  ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 1s));
+  auto bucket = subscriber.next(1s);
+  ASSERT_TRUE(bucket.has_value());
+  EXPECT_EQ(cli::check_bucket(bucket->view(), workload.seed, 0), "");
 }
 
 // Maps a slot segment for writing, as a faulty or hostile process could.
