@@ -1,5 +1,7 @@
 // The producer side of a channel. See ipc/control.hpp for the protocol and docs/channel.md
 // for the crash cases.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <optional>
@@ -40,6 +42,7 @@ struct detail::PublisherState {
   std::uint64_t published = 0;
   bool reservation_open = false;
   bool closed = false;
+  pid_t owner = ::getpid();  // see forked()
 
   PublisherState(std::string name, const PublisherOptions& opts, ipc::Segment segment)
       : channel(std::move(name)),
@@ -50,6 +53,17 @@ struct detail::PublisherState {
         slot_generation(opts.slots, 0) {}
 
   ipc::SlotControl& slot(std::uint32_t s) { return control->slots[s]; }
+
+  // A child forked from the producer inherits this handle, but the channel stays the
+  // parent's: the child may not publish on it, and its exit (which may close the handle) must
+  // not take the channel down under the parent.
+  bool forked() const { return ::getpid() != owner; }
+  void refuse_if_forked() const {
+    if (forked()) {
+      fail(ErrorCode::InvalidArgument, "channel ", Quoted{channel}, " belongs to process ", owner,
+           "; process ", ::getpid(), " was forked from it and cannot act as its producer");
+    }
+  }
 
   void reclaim(ipc::ConsumerRecord& record) {
     ipc::atomic(record.held_slots).store(0, std::memory_order_seq_cst);
@@ -180,6 +194,7 @@ struct detail::PublisherState {
                                   std::span<const std::byte> manifest_bytes,
                                   std::chrono::milliseconds timeout) {
     if (closed) fail(ErrorCode::InvalidArgument, "channel ", Quoted{channel}, " is closed");
+    refuse_if_forked();
     if (reservation_open) {
       fail(ErrorCode::InvalidArgument, "channel ", Quoted{channel},
            " has an open reservation; commit or drop it first");
@@ -334,6 +349,7 @@ std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
 }
 
 bool Publisher::drain(std::chrono::milliseconds timeout) {
+  state_->refuse_if_forked();
   auto deadline = ipc::deadline_after(timeout);
   auto& state = *state_;
   for (;;) {
@@ -354,6 +370,7 @@ bool Publisher::drain(std::chrono::milliseconds timeout) {
 void Publisher::close() noexcept {
   if (!state_ || state_->closed) return;
   state_->closed = true;
+  if (state_->forked()) return;  // the channel is the parent's
   ipc::atomic(state_->control->closed).store(1, std::memory_order_release);
   ipc::futex_bump_and_wake(state_->control->consumer_wake);
   state_->remove_segments();
@@ -385,13 +402,14 @@ void Reservation::write(std::size_t index, const void* data) {
 }
 
 Reservation::~Reservation() {
-  if (state_ == nullptr) return;
+  if (state_ == nullptr || state_->forked()) return;
   state_->reservation_open = false;
   state_->abandon(state_->published);
 }
 
 void Reservation::commit() {
   if (state_ == nullptr) fail(ErrorCode::InvalidArgument, "reservation was already committed");
+  state_->refuse_if_forked();
   if (streaming_) detail::finish_streaming();
   auto* state = std::exchange(state_, nullptr);
   state->reservation_open = false;

@@ -1,5 +1,7 @@
 // The consumer side of a channel. See ipc/control.hpp for the protocol and docs/channel.md
 // for the crash cases.
+#include <unistd.h>
+
 #include <optional>
 #include <thread>
 
@@ -46,6 +48,7 @@ struct detail::SubscriberState {
   std::vector<MappedSlot> slots;
   Clock::time_point last_liveness_check{};
   ManifestCache manifests;  // a producer resends the same layout every step
+  pid_t owner = ::getpid();  // see forked()
 
   SubscriberState(std::string name, ipc::Segment segment)
       : channel(std::move(name)),
@@ -55,8 +58,13 @@ struct detail::SubscriberState {
         record(nullptr),
         slots(slot_count) {}
 
+  // A child forked from the consumer inherits this handle and its buckets, but the record and
+  // its leases stay the parent's: releasing them from the child (on its exit, say) would let
+  // the producer overwrite buckets the parent is still reading.
+  bool forked() const { return ::getpid() != owner; }
+
   ~SubscriberState() {
-    if (record == nullptr) return;
+    if (record == nullptr || forked()) return;
     ipc::atomic(record->held_slots).store(0, std::memory_order_seq_cst);
     ipc::atomic(record->state).store(ipc::kFree, std::memory_order_release);
     ipc::futex_bump_and_wake(control->producer_wake);
@@ -127,7 +135,9 @@ struct detail::Lease {
   std::uint32_t slot;
   std::uint64_t generation;
 
-  ~Lease() { subscriber->release(slot, generation); }
+  ~Lease() {
+    if (!subscriber->forked()) subscriber->release(slot, generation);
+  }
 };
 
 Subscriber Subscriber::attach(std::string_view channel, std::chrono::milliseconds timeout) {
@@ -198,6 +208,11 @@ std::optional<ReceivedBucket> Subscriber::try_next(const VerifyOptions& options)
 std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout,
                                                const VerifyOptions& options) {
   auto& state = *state_;
+  if (state.forked()) {
+    fail(ErrorCode::InvalidArgument, "this consumer of channel ", Quoted{state.channel},
+         " belongs to process ", state.owner, "; process ", ::getpid(),
+         " was forked from it and must attach on its own");
+  }
   auto* control = state.control;
   auto start = Clock::now();
   auto deadline = ipc::deadline_after(timeout);

@@ -377,6 +377,44 @@ TEST_F(Channel, FlippedManifestByteIsRejectedWithChecksumMismatch) {
   ::munmap(segment.data(), segment.size());
 }
 
+// A child forked from a producer or consumer inherits its handles. Before, the child's exit
+// (which may destroy them) took the channel down and dropped the parent's leases.
+TEST_F(Channel, ForkedChildCannotUseOrTakeDownItsParentsHandles) {
+  Workload workload{.tensors = 2, .tensor_bytes = 64};
+  auto publisher = std::make_optional(Publisher::create(channel, {.slots = 1}));
+  auto subscriber = std::make_optional(Subscriber::attach(channel, 1s));
+  ASSERT_TRUE(publisher->publish(cli::make_bucket(workload, 0).builder, 1s));
+  auto bucket = subscriber->next(1s);
+  ASSERT_TRUE(bucket.has_value());
+  Child child([&] {
+    int refused = 0;
+    try {
+      publisher->publish(cli::make_bucket(workload, 1).builder, 0ms);
+    } catch (const Error& e) {
+      refused += e.code() == ErrorCode::InvalidArgument;
+    }
+    try {
+      subscriber->next(0ms);
+    } catch (const Error& e) {
+      refused += e.code() == ErrorCode::InvalidArgument;
+    }
+    bucket.reset();
+    subscriber.reset();
+    publisher.reset();
+    return refused == 2 ? 0 : 1;
+  });
+  ASSERT_EQ(child.wait(), 0);
+  // The parent's lease still holds the only slot, and its channel and record are still there.
+  EXPECT_FALSE(publisher->publish(cli::make_bucket(workload, 1).builder, 50ms));
+  bucket.reset();
+  ASSERT_TRUE(publisher->publish(cli::make_bucket(workload, 1).builder, 1s));
+  auto next = subscriber->next(1s);
+  ASSERT_TRUE(next.has_value());
+  EXPECT_EQ(next->sequence(), 1u);
+  EXPECT_EQ(cli::check_bucket(next->view(), workload.seed, 1), "");
+  EXPECT_NO_THROW(Subscriber::attach(channel, 0ms));
+}
+
 TEST_F(Channel, KilledProducerLeavesConsumersWithProducerGone) {
   std::mt19937_64 rng(test::fuzz_seed(5));
   Workload workload{.buckets = 1u << 30, .tensors = 4, .tensor_bytes = 4096};

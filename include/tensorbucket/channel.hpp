@@ -16,7 +16,10 @@
 //   limit.
 //
 // Thread safety: a Publisher or Subscriber is used by one thread at a time; a ReceivedBucket
-// may be read from many threads and released from any. Each is a per-process handle.
+// may be read from many threads and released from any. Each is a per-process handle: in a
+// child forked from its process it refuses to publish or receive (InvalidArgument), and
+// closing or destroying it there, its buckets included, leaves the parent's channel and
+// leases as they were.
 #pragma once
 
 #include <chrono>

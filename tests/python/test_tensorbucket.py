@@ -265,6 +265,36 @@ def test_views_are_zero_copy_and_hold_the_slot(channel):
     publisher.publish({"w": torch.ones(8)}, timeout=5)
 
 
+def test_a_forked_child_can_neither_use_nor_take_down_its_parents_channel(channel):
+    publisher = tensorbucket.Publisher(channel, slots=1)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    publisher.publish({"w": torch.ones(8)}, version=1)
+    bucket = subscriber.next(timeout=5)
+    w = bucket["w"]
+    pid = os.fork()
+    if pid == 0:  # the child: its handles refuse, then it drops them, as its exit would
+        refused = 0
+        for call in (lambda: publisher.publish({"w": torch.ones(8)}, timeout=0),
+                     lambda: subscriber.next(timeout=0)):
+            try:
+                call()
+            except tensorbucket.Error:
+                refused += 1
+        del w
+        bucket.release()
+        publisher.close()
+        os._exit(0 if refused == 2 else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    with pytest.raises(tensorbucket.Timeout):  # w still holds the only slot
+        publisher.publish({"w": torch.ones(8)}, timeout=0.05)
+    assert torch.equal(w, torch.ones(8))
+    del w
+    bucket.release()
+    publisher.publish({"w": torch.full((8,), 2.0)}, version=2)
+    assert torch.equal(subscriber.next(timeout=5)["w"], torch.full((8,), 2.0))
+    tensorbucket.Subscriber(channel, timeout=0)  # the channel is still there for others
+
+
 def test_a_bucket_is_a_read_only_mapping_of_lazy_views(channel):
     publisher = tensorbucket.Publisher(channel)
     subscriber = tensorbucket.Subscriber(channel, timeout=5)
