@@ -1,8 +1,10 @@
 #include "process.hpp"
 
+#include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <fstream>
 #include <sstream>
@@ -40,6 +42,19 @@ ProcessId current_process() {
   if (read_stat(id.pid, fields)) id.start_time = fields.start_time;
   return id;
 }
+
+namespace {
+std::atomic<std::uint64_t> forks_seen{0};  // in this process and its ancestors
+void count_fork() { forks_seen.fetch_add(1, std::memory_order_relaxed); }
+}  // namespace
+
+Owner::Owner() : pid_(static_cast<std::int32_t>(::getpid())) {
+  static const int registered = ::pthread_atfork(nullptr, nullptr, count_fork);
+  static_cast<void>(registered);
+  forks_ = forks_seen.load(std::memory_order_relaxed);
+}
+
+bool Owner::forked() const noexcept { return forks_seen.load(std::memory_order_relaxed) != forks_; }
 
 bool is_alive(const ProcessId& id) {
   if (id.pid <= 0) return false;

@@ -42,7 +42,7 @@ struct detail::PublisherState {
   std::uint64_t published = 0;
   bool reservation_open = false;
   bool closed = false;
-  pid_t owner = ::getpid();  // see forked()
+  ipc::Owner owner;
 
   PublisherState(std::string name, const PublisherOptions& opts, ipc::Segment segment)
       : channel(std::move(name)),
@@ -57,10 +57,10 @@ struct detail::PublisherState {
   // A child forked from the producer inherits this handle, but the channel stays the
   // parent's: the child may not publish on it, and its exit (which may close the handle) must
   // not take the channel down under the parent.
-  bool forked() const { return ::getpid() != owner; }
+  bool forked() const { return owner.forked(); }
   void refuse_if_forked() const {
     if (forked()) {
-      fail(ErrorCode::InvalidArgument, "channel ", Quoted{channel}, " belongs to process ", owner,
+      fail(ErrorCode::InvalidArgument, "channel ", Quoted{channel}, " belongs to process ", owner.pid(),
            "; process ", ::getpid(), " was forked from it and cannot act as its producer");
     }
   }

@@ -48,7 +48,7 @@ struct detail::SubscriberState {
   std::vector<MappedSlot> slots;
   Clock::time_point last_liveness_check{};
   ManifestCache manifests;  // a producer resends the same layout every step
-  pid_t owner = ::getpid();  // see forked()
+  ipc::Owner owner;
 
   SubscriberState(std::string name, ipc::Segment segment)
       : channel(std::move(name)),
@@ -61,7 +61,7 @@ struct detail::SubscriberState {
   // A child forked from the consumer inherits this handle and its buckets, but the record and
   // its leases stay the parent's: releasing them from the child (on its exit, say) would let
   // the producer overwrite buckets the parent is still reading.
-  bool forked() const { return ::getpid() != owner; }
+  bool forked() const { return owner.forked(); }
 
   ~SubscriberState() {
     if (record == nullptr || forked()) return;
@@ -210,7 +210,7 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
   auto& state = *state_;
   if (state.forked()) {
     fail(ErrorCode::InvalidArgument, "this consumer of channel ", Quoted{state.channel},
-         " belongs to process ", state.owner, "; process ", ::getpid(),
+         " belongs to process ", state.owner.pid(), "; process ", ::getpid(),
          " was forked from it and must attach on its own");
   }
   auto* control = state.control;
