@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -239,10 +240,15 @@ class PyPublisher {
   bool drain(std::optional<double> timeout) {
     auto deadline = deadline_in(timeout);
     auto turn = take_turn(turn_, deadline);
-    return turn &&
-           wait_until(deadline, [&](auto slice) { return publisher_.drain(slice); });
+    return turn && wait_until(deadline, [&](auto slice) {
+             stop_if_closing("");
+             return publisher_.drain(slice);
+           });
   }
+  // Says so first: a publish() or drain() waiting in another thread then ends within a wait
+  // slice, where close() would otherwise wait for its turn behind it (for ever with None).
   void close() {
+    closing_ = true;
     auto turn = take_turn(turn_);
     publisher_.close();
   }
@@ -257,6 +263,13 @@ class PyPublisher {
     std::vector<ManifestGroup> groups;
     BucketBuilder builder;  // every entry declared
   };
+
+  // Between the wait slices of publish() and drain(): see close().
+  void stop_if_closing(const char* outcome) const {
+    if (closing_) {
+      throw Error(ErrorCode::InvalidArgument, "channel '" + publisher_.channel() + "' is closed" + outcome);
+    }
+  }
 
   // Fills staged_ when `tensors` hold tensors under the kept layout's names, in its order.
   bool stage_kept(const py::handle& tensors) {
@@ -282,12 +295,14 @@ class PyPublisher {
     } unstage{staged_};
     kept_->builder.version(version).bucket(bucket_index, bucket_count);
     bool published = wait_until(deadline, [&](auto slice) {
+      stop_if_closing("; nothing was published");
       return torch_bridge::publish_in_place(publisher_, kept_->builder, staged_, slice);
     });
     if (!published) throw PublishTimeout{};
   }
 
   std::timed_mutex turn_;
+  std::atomic<bool> closing_ = false;  // set by close() before it waits for its turn
   Publisher publisher_;
   std::optional<Kept> kept_;
   std::vector<at::Tensor> staged_;  // this call's tensors in layout order; reused for capacity
@@ -465,7 +480,8 @@ PYBIND11_MODULE(tensorbucket, m) {
            "Timeout when no slot comes free.")
       .def("drain", &PyPublisher::drain, py::arg("timeout") = 10.0,
            "Wait until consumers released everything; False on timeout.")
-      .def("close", &PyPublisher::close)
+      .def("close", &PyPublisher::close,
+           "Close the channel; a publish() or drain() waiting in another thread raises Error.")
       .def_property_readonly("published", &PyPublisher::published)
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](PyPublisher& self, py::args) { self.close(); });

@@ -177,6 +177,43 @@ def test_threads_sharing_a_publisher_or_a_subscriber_take_turns(channel):
     assert torn == []
 
 
+@pytest.mark.parametrize("waiting", ["publish", "drain"])
+def test_close_from_another_thread_ends_a_waiting_call(channel, waiting):
+    """Before, close() waited for its turn behind a publish() or drain() that waited without
+    limit for a slot the server held: it never returned."""
+    publisher = tensorbucket.Publisher(channel, slots=1)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    publisher.publish({"w": torch.ones(4)})
+    held = subscriber.next(timeout=5)
+    outcome = []
+
+    def wait():
+        try:
+            if waiting == "publish":
+                publisher.publish({"w": torch.ones(4)}, timeout=None)
+            else:
+                publisher.drain(timeout=None)
+            outcome.append("returned")
+        except tensorbucket.Error as error:
+            outcome.append(str(error))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.2)
+    closer = threading.Thread(target=publisher.close)
+    closer.start()
+    closer.join(timeout=5)
+    closed_in_time = not closer.is_alive()
+    held.release()  # lets the old code's waiter, and so its close(), finish
+    closer.join()
+    waiter.join()
+    assert closed_in_time
+    assert len(outcome) == 1 and "closed" in outcome[0], outcome
+    assert publisher.published == 1
+    with pytest.raises(tensorbucket.ProducerGone):
+        subscriber.next(timeout=1)
+
+
 def test_missing_channel_is_a_channel_error(channel):
     with pytest.raises(tensorbucket.ChannelError, match="did not appear within 0.02 s"):
         tensorbucket.Subscriber(channel, timeout=0.02)
