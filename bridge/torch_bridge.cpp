@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <sstream>
 
 #include "serialize/text.hpp"
 
@@ -263,6 +264,16 @@ Manifest manifest_of(const NamedTensors& tensors) {
 Manifest expected_manifest(const torch::nn::Module& module) { return manifest_of(named_tensors(module)); }
 
 void load_into(const NamedTensors& targets, const NamedTensors& tensors) {
+  // copy_ into a meta tensor does nothing: a module built on the meta device would seem
+  // loaded and still hold nothing.
+  std::ostringstream empty;
+  for (const auto& [name, target] : targets) {
+    if (!target.defined() || target.is_meta()) empty << (empty.tellp() == 0 ? "" : ", ") << Quoted{name};
+  }
+  if (empty.tellp() != 0) {
+    fail(ErrorCode::Unmaterialized, "cannot load into ", empty.str(),
+         ": meta or undefined tensors have no memory; materialize the module first");
+  }
   check_expected(manifest_of(tensors), manifest_of(targets));  // throws before anything is copied
   std::unordered_map<std::string_view, const at::Tensor*> by_name;
   for (const auto& [name, tensor] : tensors) by_name.emplace(name, &tensor);

@@ -219,5 +219,17 @@ TEST(TorchBridge, LoadIntoIsStrictAndCopiesNothingOnMismatch) {
   EXPECT_TRUE(torch::equal(server.fc->weight, before));
 }
 
+// Before, the copy into a meta tensor did nothing and load_into returned as if it had loaded.
+TEST(TorchBridge, LoadIntoRefusesMetaTargetsAndCopiesNothing) {
+  auto real = torch::zeros({2});
+  NamedTensors targets{{"real", real},
+                       {"meta.w", torch::empty({2, 2}, torch::TensorOptions().device(torch::kMeta))},
+                       {"meta.b", torch::empty({2}, torch::TensorOptions().device(torch::kMeta))}};
+  NamedTensors sent{{"real", torch::ones({2})}, {"meta.w", torch::ones({2, 2})}, {"meta.b", torch::ones({2})}};
+  auto message = expect_error(ErrorCode::Unmaterialized, [&] { torch_bridge::load_into(targets, sent); });
+  EXPECT_NE(message.find("'meta.w', 'meta.b'"), std::string::npos) << message;
+  EXPECT_TRUE(torch::equal(real, torch::zeros({2})));
+}
+
 }  // namespace
 }  // namespace tensorbucket

@@ -85,7 +85,9 @@ Manifest expected_manifest(const torch::nn::Module& module);
 
 // Copies `tensors` into `module`'s parameters and buffers, as strictly as a strict
 // load_state_dict: one ManifestMismatch lists every missing, unexpected, dtype- and
-// shape-mismatched name, and nothing is copied when anything is wrong.
+// shape-mismatched name, and nothing is copied when anything is wrong. Unmaterialized, naming
+// them, when some of the module's tensors are meta or undefined (copying into those would
+// silently do nothing).
 void load_into(torch::nn::Module& module, const NamedTensors& tensors);
 // The same into `targets`, matched by name: a module's tensors gathered some other way (the
 // Python module passes a state_dict()).

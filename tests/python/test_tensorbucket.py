@@ -473,6 +473,13 @@ def test_load_into_is_strict_and_copies_nothing_on_mismatch():
     assert torch.equal(model.bias, torch.ones(2))
 
 
+def test_load_into_refuses_a_module_on_the_meta_device():
+    """Before, it returned as if loaded: copying into a meta tensor does nothing."""
+    with pytest.raises(tensorbucket.ManifestError, match="Unmaterialized: cannot load into 'weight', 'bias'"):
+        tensorbucket.load_into(torch.nn.Linear(3, 2, device="meta"),
+                               {"weight": torch.zeros(2, 3), "bias": torch.ones(2)})
+
+
 def test_trainer_and_server_processes(channel):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")])))
     server = subprocess.Popen([sys.executable, str(EXAMPLES / "server.py"), channel, "5"], env=env,
