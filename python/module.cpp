@@ -388,7 +388,7 @@ class PyBucket {
 class PySubscriber {
  public:
   PySubscriber(const std::string& channel, std::optional<double> timeout)
-      : subscriber_(attach(channel, timeout)) {}
+      : channel_(channel), subscriber_(attach(channel, timeout)) {}
 
   std::optional<PyBucket> next(std::optional<double> timeout, const py::handle& expected) {
     auto deadline = deadline_in(timeout);
@@ -397,9 +397,21 @@ class PySubscriber {
     VerifyOptions options{.expected = expected_manifest ? &*expected_manifest : nullptr};
     auto turn = take_turn(turn_, deadline);
     if (!turn) return std::nullopt;
-    auto bucket = wait_until(deadline, [&](auto slice) { return subscriber_.next(slice, options); });
+    auto bucket = wait_until(deadline, [&](auto slice) {
+      if (closing_) throw Error(ErrorCode::InvalidArgument, "subscriber of channel '" + channel_ + "' is closed");
+      return subscriber_->next(slice, options);
+    });
     if (!bucket) return std::nullopt;
     return PyBucket(std::move(*bucket));
+  }
+
+  // Stops receiving: a next() waiting in another thread raises (see PyPublisher::close()).
+  // The consumer leaves the channel once every bucket and view it handed out is gone; their
+  // leases hold until then.
+  void close() {
+    closing_ = true;
+    auto turn = take_turn(turn_);
+    subscriber_.reset();
   }
 
  private:
@@ -420,7 +432,9 @@ class PySubscriber {
   }
 
   std::timed_mutex turn_;
-  Subscriber subscriber_;
+  std::atomic<bool> closing_ = false;  // set by close() before it waits for its turn
+  std::string channel_;
+  std::optional<Subscriber> subscriber_;  // none once closed
 };
 
 // Strict load_state_dict: every problem in one error, nothing copied when any.
@@ -520,7 +534,12 @@ PYBIND11_MODULE(tensorbucket, m) {
       .def(py::init<const std::string&, std::optional<double>>(), py::arg("channel"),
            py::arg("timeout") = 10.0, "Attach, waiting up to timeout for the channel to appear.")
       .def("next", &PySubscriber::next, py::arg("timeout") = 10.0, py::arg("expected") = py::none(),
-           "The next bucket, verified; None when none arrived within timeout.");
+           "The next bucket, verified; None when none arrived within timeout.")
+      .def("close", &PySubscriber::close,
+           "Stop receiving; a next() waiting in another thread raises Error. The channel is left "
+           "once every bucket and view from this subscriber is gone.")
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](PySubscriber& self, py::args) { self.close(); });
 
   m.def("load_into", &load_into, py::arg("module"), py::arg("tensors"),
         "Copy tensors into module's parameters and buffers, as strictly as load_state_dict.");

@@ -214,6 +214,40 @@ def test_close_from_another_thread_ends_a_waiting_call(channel, waiting):
         subscriber.next(timeout=1)
 
 
+def test_a_closed_subscriber_leaves_once_its_views_are_gone(channel):
+    """A server that stops reading closes its Subscriber; before, only garbage collection
+    detached it."""
+    publisher = tensorbucket.Publisher(channel, slots=1, max_consumers=1)
+    with tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+        publisher.publish({"w": torch.ones(4)})
+        w = subscriber.next(timeout=5)["w"]
+        waiter_error = []
+
+        def wait():
+            try:
+                subscriber.next(timeout=None)
+            except tensorbucket.Error as error:
+                waiter_error.append(str(error))
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.2)
+    waiter.join(timeout=5)
+    assert not waiter.is_alive() and len(waiter_error) == 1 and "closed" in waiter_error[0]
+    with pytest.raises(tensorbucket.Error, match="closed"):
+        subscriber.next(timeout=0)
+    # w holds its lease, and so the consumer record, the only one
+    with pytest.raises(tensorbucket.Timeout):
+        publisher.publish({"w": torch.full((4,), 2.0)}, timeout=0.05)
+    with pytest.raises(tensorbucket.ChannelError, match="ChannelFull"):
+        tensorbucket.Subscriber(channel, timeout=0)
+    assert torch.equal(w, torch.ones(4))
+    del w
+    publisher.publish({"w": torch.full((4,), 2.0)}, timeout=5)
+    with tensorbucket.Subscriber(channel, timeout=0) as fresh:
+        assert torch.equal(fresh.next(timeout=5)["w"], torch.full((4,), 2.0))
+
+
 def test_missing_channel_is_a_channel_error(channel):
     with pytest.raises(tensorbucket.ChannelError, match="did not appear within 0.02 s"):
         tensorbucket.Subscriber(channel, timeout=0.02)
