@@ -2,7 +2,8 @@
 in one process (no wake-up of another process), steady state, medians over 500 rounds each.
 publish() and next() are timed in the first 500 rounds, which make no views: making 1000 views
 evicts the caches the next publish() uses. tensors() is timed in the 500 after. One case sends
-nn.Parameters, as a trainer publishing its named_parameters() does. Last, a model's own steps at
+nn.Parameters, as a trainer publishing its named_parameters() does. Then the first publish()
+on a new channel, which creates and allocates the slot's segment. Last, a model's own steps at
 either end: state_dict() in the trainer, loading a bucket in the server.
 
 PYTHONPATH=build/python /usr/bin/python3 bench/peers/python_breakdown.py
@@ -48,6 +49,25 @@ def main():
             print(f"{count} x {numel * 4} B{kind}: publish {median_us(publish):.1f} us, next "
                   f"{median_us(take):.1f} us, tensors() {median_us(views):.1f} us")
 
+    # The first two publishes on a new channel each create a slot's segment; the third reuses one.
+    tensors = {f"t{i}": torch.full((65536,), float(i)) for i in range(1000)}
+    rounds = []
+    for attempt in range(5):
+        with tensorbucket.Publisher(f"{channel}-new{attempt}", slots=2) as publisher:
+            subscriber = tensorbucket.Subscriber(f"{channel}-new{attempt}", timeout=5)
+            times = []
+            for version in range(3):
+                start = time.perf_counter_ns()
+                publisher.publish(tensors, version=version)
+                times.append(time.perf_counter_ns() - start)
+                subscriber.next(timeout=5).release()
+            rounds.append(times)
+    print("1000 x 256 KiB on a new channel: publish " +
+          ", ".join(f"{median_us([r[i] for r in rounds]) / 1000:.1f} ms" for i in range(3)) +
+          " (new segment, new segment, reused)")
+
+    with tensorbucket.Publisher(channel, slots=2) as publisher:
+        subscriber = tensorbucket.Subscriber(channel, timeout=5)
         # Either end of a model with 1000 parameters of 1 KiB: what a trainer pays to build the
         # dict it publishes, and a server to load a bucket (torch's own load_state_dict is
         # quadratic in the number of modules).
