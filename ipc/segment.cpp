@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 
 #include <boost/interprocess/shared_memory_object.hpp>
 
@@ -22,9 +23,14 @@ using text::Quoted;
 
 namespace {
 
-std::string gib(std::uint64_t bytes) {
+// "40.1 MiB", for messages beside the exact byte count.
+std::string in_units(std::uint64_t bytes) {
+  const char* units[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
+  double value = static_cast<double>(bytes) / 1024;
+  std::size_t unit = 0;
+  for (; value >= 1024 && unit + 1 < std::size(units); ++unit) value /= 1024;
   char text[32];
-  std::snprintf(text, sizeof text, "%.1f GiB", static_cast<double>(bytes) / (1u << 30));
+  std::snprintf(text, sizeof text, "%.1f %s", value, units[unit]);
   return text;
 }
 
@@ -39,7 +45,7 @@ void reserve(int fd, const std::string& name, std::size_t bytes) {
     auto free_bytes = static_cast<std::uint64_t>(filesystem.f_bavail) * filesystem.f_frsize;
     if (bytes > free_bytes) {
       fail(ErrorCode::SystemError, "shared memory ", Quoted{name}, " needs ", bytes, " bytes (",
-           gib(bytes), ") but its filesystem has ", free_bytes, " (", gib(free_bytes), ") free");
+           in_units(bytes), ") but its filesystem has ", free_bytes, " (", in_units(free_bytes), ") free");
     }
   }
   int error = 0;
@@ -47,7 +53,7 @@ void reserve(int fd, const std::string& name, std::size_t bytes) {
     error = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
   } while (error == EINTR);
   if (error != 0) {
-    fail(ErrorCode::SystemError, "cannot allocate ", bytes, " bytes (", gib(bytes),
+    fail(ErrorCode::SystemError, "cannot allocate ", bytes, " bytes (", in_units(bytes),
          ") of shared memory for ", Quoted{name}, ": ", std::strerror(error));
   }
 }
