@@ -40,8 +40,9 @@ std::string in_units(std::uint64_t bytes) {
 // and leaves a full filesystem behind. posix_fallocate fails instead, with nothing written.
 void reserve(int fd, const std::string& name, std::size_t bytes) {
   struct statvfs filesystem {};
-  if (::fstatvfs(fd, &filesystem) == 0) {
-    // Checked first: tmpfs would fill up before refusing, and squeeze everyone else meanwhile.
+  // Checked first: tmpfs would fill up before refusing, and squeeze everyone else meanwhile. A
+  // tmpfs without a size limit reports no blocks at all: nothing to check against.
+  if (::fstatvfs(fd, &filesystem) == 0 && filesystem.f_blocks != 0) {
     auto free_bytes = static_cast<std::uint64_t>(filesystem.f_bavail) * filesystem.f_frsize;
     if (bytes > free_bytes) {
       fail(ErrorCode::SystemError, "shared memory ", Quoted{name}, " needs ", bytes, " bytes (",

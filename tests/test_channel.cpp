@@ -2,8 +2,10 @@
 // of them is killed. Every test checks that none of its segments is left in /dev/shm.
 #include <gtest/gtest.h>
 
+#include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
@@ -314,6 +316,51 @@ TEST_F(Channel, RefusesBucketLargerThanSharedMemory) {
   auto bucket = subscriber.next(1s);
   ASSERT_TRUE(bucket.has_value());
   EXPECT_EQ(cli::check_bucket(bucket->view(), workload.seed, 0), "");
+}
+
+// Runs `body` in a child process that sees its own /dev/shm, a tmpfs mounted with `options`;
+// skips the test where mounting one is not allowed (it needs root).
+void with_private_shm(const char* options, const std::function<int()>& body) {
+  constexpr int kNotAllowed = 77;
+  Child child([&] {
+    if (::unshare(CLONE_NEWNS) != 0 || ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+        ::mount("tmpfs", "/dev/shm", "tmpfs", 0, options) != 0) {
+      return kNotAllowed;
+    }
+    return body();
+  });
+  int status = child.wait();
+  if (status == kNotAllowed) GTEST_SKIP() << "mounting a private /dev/shm needs root";
+  EXPECT_EQ(status, 0) << "(a negative status is the signal that killed the child)";
+}
+
+// Docker gives a container 64 MiB of /dev/shm unless told otherwise. Before, the second slot's
+// segment was created sparse, and writing the bucket into it killed the producer with SIGBUS.
+TEST_F(Channel, SlotThatDoesNotFitInSharedMemoryIsAnError) {
+  with_private_shm("size=1m", [&] {
+    Workload workload{.tensors = 2, .tensor_bytes = 300 << 10};
+    auto publisher = Publisher::create(channel, {.slots = 2, .min_consumers = 0});
+    if (!publisher.publish(cli::make_bucket(workload, 0).builder, 1s)) return 2;
+    try {
+      publisher.publish(cli::make_bucket(workload, 1).builder, 1s);
+    } catch (const Error& e) {
+      bool named = std::string(e.what()).find("free") != std::string::npos;
+      return e.code() == ErrorCode::SystemError && named && publisher.published() == 1 ? 0 : 3;
+    }
+    return 4;
+  });
+}
+
+// A tmpfs mounted with size=0 has no limit, and reports no blocks at all.
+TEST_F(Channel, SharedMemoryWithoutSizeLimitTakesBuckets) {
+  with_private_shm("size=0", [&] {
+    Workload workload{.tensors = 2, .tensor_bytes = 64};
+    auto publisher = Publisher::create(channel);
+    auto subscriber = Subscriber::attach(channel, 1s);
+    if (!publisher.publish(cli::make_bucket(workload, 0).builder, 1s)) return 2;
+    auto bucket = subscriber.next(1s);
+    return bucket && cli::check_bucket(bucket->view(), workload.seed, 0).empty() ? 0 : 3;
+  });
 }
 
 // Maps a slot segment for writing, as a faulty or hostile process could.
