@@ -63,7 +63,8 @@ void BucketBuilder::append(std::string name, DType dtype, Shape shape) {
   }
   auto byte_length = detail::check_tensor(name, dtype, shape);
   if (manifest_.entries.size() >= kMaxEntries) {
-    fail(ErrorCode::InvalidArgument, "bucket already holds ", kMaxEntries, " entries");
+    fail(ErrorCode::InvalidArgument, "entry ", Quoted{name}, " is one too many: a bucket holds at most ",
+         kMaxEntries, " entries; split the update with bucket_index and bucket_count");
   }
   auto byte_offset = align_up(payload_bytes_);
   auto end = align_up(byte_offset + byte_length);

@@ -227,6 +227,15 @@ TEST(Builder, RefusesEntryInTwoGroups) {
   EXPECT_EQ(builder.manifest().groups.size(), 1u);
 }
 
+TEST(Builder, RefusesOneEntryPastTheLimitNamingIt) {
+  BucketBuilder builder;
+  for (std::uint64_t i = 0; i < kMaxEntries; ++i) builder.declare("e" + std::to_string(i), DType::U8, {0});
+  auto message = expect_error(ErrorCode::InvalidArgument, [&] { builder.declare("last", DType::U8, {0}); });
+  EXPECT_NE(message.find("'last'"), std::string::npos) << message;
+  EXPECT_NE(message.find(std::to_string(kMaxEntries)), std::string::npos) << message;
+  EXPECT_EQ(builder.manifest().entries.size(), kMaxEntries);
+}
+
 TEST(Builder, RefusesBucketIndexPastCount) {
   BucketBuilder builder;
   expect_error(ErrorCode::InvalidArgument, [&] { builder.bucket(4, 4); });
