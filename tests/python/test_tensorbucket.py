@@ -321,6 +321,9 @@ def test_expected_mismatch_lists_every_problem(channel):
         subscriber.next(timeout=5, expected={"w": torch.ones(4), "bias": torch.ones(2)})
     for part in ("missing 'bias'", "unexpected 'extra'", "'w' has shape [2, 2], expected [4]"):
         assert part in str(raised.value)
+    # The bucket that did not match was skipped: the next call returns the one after it.
+    publisher.publish({"w": torch.ones(4), "bias": torch.ones(2)}, version=2)
+    assert subscriber.next(timeout=5, expected={"w": torch.ones(4), "bias": torch.ones(2)}).version == 2
 
 
 def test_views_are_zero_copy_and_hold_the_slot(channel):
