@@ -5,11 +5,15 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
+#include <unordered_set>
+#include <vector>
 
 #include "tensorbucket/tensorbucket.hpp"
 #include "tensorbucket/torch.hpp"
@@ -44,6 +48,70 @@ Deadline deadline_in(std::optional<double> seconds) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(wait);
 }
 
+// Threads outside the GIL in this module, and the interpreter's exit. From the moment Python
+// starts shutting down, a thread that takes the GIL back ends with pthread_exit, which from
+// inside pybind11's noexcept gil_scoped_release destructor aborts the whole process: a
+// server's daemon thread waiting in next() did that at every exit (exit 134). So an atexit
+// hook, which runs while the interpreter is still whole, has every such thread park once its
+// current slice of work ends (<= kSignalCheck of waiting, or a copy): it sleeps without the
+// GIL until the process is gone. The hook waits until all of them are parked or back.
+class OutsideGil {
+ public:
+  // Runs work() without the GIL; at exit, parks instead of returning. Called with the GIL.
+  template <class Work>
+  static auto run(Work&& work) {
+    Counted counted;  // left only once the GIL is back (destroyed last)
+    py::gil_scoped_release unlocked;
+    struct ParkAtExit {
+      py::gil_scoped_release& unlocked;
+      ~ParkAtExit() {
+        std::unique_lock lock(state().mutex);
+        if (!state().exiting) return;
+        ++state().parked;
+        state().changed.notify_all();
+        lock.unlock();
+        unlocked.disarm();
+        for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+      }
+    } park{unlocked};
+    return work();
+  }
+
+  // The atexit hook's part, with the GIL: from now on threads park, and this returns once
+  // every thread outside the GIL parked or came back. Later calls raise at once.
+  static void park_all() {
+    py::gil_scoped_release unlocked;  // those waiting to take the GIL back take it meanwhile
+    std::unique_lock lock(state().mutex);  // released before the GIL is taken back
+    state().exiting = true;
+    state().changed.wait(lock, [] { return state().outside == state().parked; });
+  }
+
+ private:
+  struct State {
+    std::mutex mutex;
+    std::condition_variable changed;
+    bool exiting = false;
+    int outside = 0;
+    int parked = 0;
+  };
+  static State& state() {
+    static State shared;
+    return shared;
+  }
+  struct Counted {
+    Counted() {
+      std::lock_guard lock(state().mutex);
+      if (state().exiting) throw Error(ErrorCode::InvalidArgument, "the interpreter is exiting");
+      ++state().outside;
+    }
+    ~Counted() {
+      std::lock_guard lock(state().mutex);
+      --state().outside;
+      state().changed.notify_all();
+    }
+  };
+};
+
 // Calls attempt(slice) without the GIL, in slices of at most kSignalCheck, until it returns
 // something true or `deadline` passes; returns its last result. Each attempt either finishes
 // or leaves nothing done, so Ctrl+C between two of them interrupts a long wait cleanly.
@@ -55,11 +123,7 @@ auto wait_until(Deadline deadline, Attempt&& attempt) {
       auto left = std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now());
       slice = std::clamp(left, std::chrono::milliseconds(0), kSignalCheck);
     }
-    decltype(attempt(slice)) result;
-    {
-      py::gil_scoped_release unlocked;
-      result = attempt(slice);
-    }
+    auto result = OutsideGil::run([&] { return attempt(slice); });
     if (result || (deadline && Clock::now() >= *deadline)) return result;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
   }
@@ -206,7 +270,18 @@ class PyPublisher {
                                                .max_consumers = max_consumers,
                                                .min_consumers = min_consumers,
                                                .mode = mode,
-                                               .payload_checksum = checksum})) {}
+                                               .payload_checksum = checksum})) {
+    open().insert(this);
+  }
+  ~PyPublisher() { open().erase(this); }
+
+  // Every Publisher not yet destroyed, with the GIL. Python does not destroy at exit what a
+  // daemon thread still reaches, which left such a channel's segments in /dev/shm (memory)
+  // until the next producer of its name: an atexit hook closes them all.
+  static std::unordered_set<PyPublisher*>& open() {
+    static std::unordered_set<PyPublisher*> all;
+    return all;
+  }
 
   // Every call writes the tensors straight into the slot. A trainer sends the same names,
   // dtypes and shapes every step: a call with the names of the layout kept from the last one
@@ -252,6 +327,8 @@ class PyPublisher {
     auto turn = take_turn(turn_);
     publisher_.close();
   }
+  // Without a turn: a parked thread may hold it, but it is done with the C++ handle.
+  void close_at_exit() { publisher_.close(); }
   std::uint64_t published() {
     auto turn = take_turn(turn_);
     return publisher_.published();
@@ -443,8 +520,10 @@ void load_into(const py::object& module, const py::handle& tensors) {
   // of what a state_dict() costs
   auto targets = to_named(module.attr("state_dict")(py::arg("keep_vars") = true));
   auto sources = to_named(tensors);
-  py::gil_scoped_release unlocked;
-  torch_bridge::load_into(targets, sources);
+  OutsideGil::run([&] {
+    torch_bridge::load_into(targets, sources);
+    return true;
+  });
 }
 
 }  // namespace
@@ -482,6 +561,15 @@ PYBIND11_MODULE(tensorbucket, m) {
       }
     }
   });
+
+  // At exit: park the threads waiting in this module (OutsideGil), then close every open
+  // Publisher, which Python would not destroy while a daemon thread still reaches it.
+  py::module_::import("atexit").attr("register")(py::cpp_function([] {
+    OutsideGil::park_all();
+    for (auto* publisher : std::vector<PyPublisher*>(PyPublisher::open().begin(), PyPublisher::open().end())) {
+      publisher->close_at_exit();
+    }
+  }));
 
   py::class_<PyPublisher>(m, "Publisher")
       .def(py::init<const std::string&, std::uint32_t, std::uint32_t, std::uint32_t, bool, std::uint32_t>(),

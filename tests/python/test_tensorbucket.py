@@ -248,6 +248,49 @@ def test_a_closed_subscriber_leaves_once_its_views_are_gone(channel):
         assert torch.equal(fresh.next(timeout=5)["w"], torch.full((4,), 2.0))
 
 
+DAEMON_THREADS_AT_EXIT = """
+import sys, threading, time, torch, tensorbucket
+channel = sys.argv[1]
+publisher = tensorbucket.Publisher(channel, slots=1)
+subscriber = tensorbucket.Subscriber(channel, timeout=5)
+full = tensorbucket.Publisher(channel + "-full", slots=1)
+full.publish({"w": torch.ones(2)})  # no consumer will ever free its slot
+
+def serve():
+    try:
+        while (bucket := subscriber.next(timeout=None)) is not None:
+            bucket.release()
+    except tensorbucket.ProducerGone:  # the publisher closed at exit, before the shutdown
+        pass
+
+def wait_for_a_slot():
+    try:
+        full.publish({"w": torch.ones(2)}, timeout=None)
+    except tensorbucket.Error:  # closed at exit
+        pass
+
+threading.Thread(target=serve, daemon=True).start()
+threading.Thread(target=wait_for_a_slot, daemon=True).start()
+publisher.publish({"w": torch.ones(2)})
+time.sleep(0.3)
+print("main thread done", flush=True)
+"""
+
+
+def test_the_interpreter_exits_cleanly_around_daemon_threads_that_wait(channel):
+    """A server's background thread waits in next(timeout=None) while the main thread ends.
+    Before, taking the GIL back during shutdown aborted the process ("terminate called
+    without an active exception", exit 134), and the publishers, which Python does not destroy
+    while daemon threads reach them, left their segments in /dev/shm."""
+    for attempt in range(3):
+        name = f"{channel[:50]}{attempt}"
+        done = subprocess.run([sys.executable, "-c", DAEMON_THREADS_AT_EXIT, name],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == "main thread done\n"
+        assert [f for f in os.listdir("/dev/shm") if f.startswith(f"tensorbucket.{name}")] == []
+
+
 def test_missing_channel_is_a_channel_error(channel):
     with pytest.raises(tensorbucket.ChannelError, match="did not appear within 0.02 s"):
         tensorbucket.Subscriber(channel, timeout=0.02)
