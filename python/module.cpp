@@ -529,6 +529,10 @@ void load_into(const py::object& module, const py::handle& tensors) {
 }  // namespace
 
 PYBIND11_MODULE(tensorbucket, m) {
+  // torch's Python types (torch.Tensor) are set up by importing torch: without it, a server
+  // that imported only tensorbucket crashed on its first view.
+  py::module_::import("torch");
+
   m.doc() = "Move named torch tensors between processes as verified zero-copy buckets.\n\n"
             "Every timeout is in seconds; None waits without limit. Ctrl+C interrupts any wait, "
             "and an interrupted publish() has published nothing. Threads sharing a Publisher or a "

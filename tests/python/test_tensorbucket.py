@@ -291,6 +291,19 @@ def test_the_interpreter_exits_cleanly_around_daemon_threads_that_wait(channel):
         assert [f for f in os.listdir("/dev/shm") if f.startswith(f"tensorbucket.{name}")] == []
 
 
+def test_a_server_that_never_imports_torch_gets_tensors(channel):
+    """Before, the first view crashed a process that had imported tensorbucket alone: torch's
+    Python types were not set up."""
+    publisher = tensorbucket.Publisher(channel)
+    publisher.publish({"w": torch.arange(3.0)})
+    server = ("import sys, tensorbucket\n"
+              "bucket = tensorbucket.Subscriber(sys.argv[1], timeout=5).next(timeout=5)\n"
+              "print(bucket['w'].tolist())\n")
+    done = subprocess.run([sys.executable, "-c", server, channel], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "[0.0, 1.0, 2.0]\n"
+
+
 def test_missing_channel_is_a_channel_error(channel):
     with pytest.raises(tensorbucket.ChannelError, match="did not appear within 0.02 s"):
         tensorbucket.Subscriber(channel, timeout=0.02)
