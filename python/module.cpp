@@ -63,17 +63,15 @@ class OutsideGil {
     Counted counted;  // left only once the GIL is back (destroyed last)
     py::gil_scoped_release unlocked;
     struct ParkAtExit {
-      py::gil_scoped_release& unlocked;
-      ~ParkAtExit() {
+      ~ParkAtExit() {  // runs before `unlocked` takes the GIL back
         std::unique_lock lock(state().mutex);
         if (!state().exiting) return;
         ++state().parked;
         state().changed.notify_all();
         lock.unlock();
-        unlocked.disarm();
         for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
       }
-    } park{unlocked};
+    } park;
     return work();
   }
 
