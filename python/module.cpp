@@ -2,10 +2,11 @@
 // LibTorch bridge. Waiting and copying run without the GIL.
 #include <torch/extension.h>
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -64,11 +65,8 @@ class OutsideGil {
     py::gil_scoped_release unlocked;
     struct ParkAtExit {
       ~ParkAtExit() {  // runs before `unlocked` takes the GIL back
-        std::unique_lock lock(state().mutex);
-        if (!state().exiting) return;
-        ++state().parked;
-        state().changed.notify_all();
-        lock.unlock();
+        if (!exiting) return;
+        ++parked;
         for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
       }
     } park;
@@ -78,35 +76,29 @@ class OutsideGil {
   // The atexit hook's part, with the GIL: from now on threads park, and this returns once
   // every thread outside the GIL parked or came back. Later calls raise at once.
   static void park_all() {
+    exiting = true;  // with the GIL: no call starts meanwhile
     py::gil_scoped_release unlocked;  // those waiting to take the GIL back take it meanwhile
-    std::unique_lock lock(state().mutex);  // released before the GIL is taken back
-    state().exiting = true;
-    state().changed.wait(lock, [] { return state().outside == state().parked; });
+    while (outside != parked) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+
+  // In a forked child, whose only thread is the one that forked (holding the GIL): the
+  // parent's other threads were counted but are not there to park.
+  static void forget_other_threads() {
+    outside = 0;
+    parked = 0;
   }
 
  private:
-  struct State {
-    std::mutex mutex;
-    std::condition_variable changed;
-    bool exiting = false;
-    int outside = 0;
-    int parked = 0;
-  };
-  static State& state() {
-    static State shared;
-    return shared;
-  }
+  static inline std::atomic<bool> exiting = false;
+  static inline std::atomic<int> outside = 0;
+  static inline std::atomic<int> parked = 0;
+
   struct Counted {
     Counted() {
-      std::lock_guard lock(state().mutex);
-      if (state().exiting) throw Error(ErrorCode::InvalidArgument, "the interpreter is exiting");
-      ++state().outside;
+      if (exiting) throw Error(ErrorCode::InvalidArgument, "the interpreter is exiting");
+      ++outside;
     }
-    ~Counted() {
-      std::lock_guard lock(state().mutex);
-      --state().outside;
-      state().changed.notify_all();
-    }
+    ~Counted() { --outside; }
   };
 };
 
@@ -566,6 +558,7 @@ PYBIND11_MODULE(tensorbucket, m) {
 
   // At exit: park the threads waiting in this module (OutsideGil), then close every open
   // Publisher, which Python would not destroy while a daemon thread still reaches it.
+  ::pthread_atfork(nullptr, nullptr, &OutsideGil::forget_other_threads);
   py::module_::import("atexit").attr("register")(py::cpp_function([] {
     OutsideGil::park_all();
     for (auto* publisher : std::vector<PyPublisher*>(PyPublisher::open().begin(), PyPublisher::open().end())) {

@@ -291,6 +291,46 @@ def test_the_interpreter_exits_cleanly_around_daemon_threads_that_wait(channel):
         assert [f for f in os.listdir("/dev/shm") if f.startswith(f"tensorbucket.{name}")] == []
 
 
+FORK_WHILE_A_THREAD_WAITS = """
+import os, sys, threading, time, torch, tensorbucket
+publisher = tensorbucket.Publisher(sys.argv[1])
+subscriber = tensorbucket.Subscriber(sys.argv[1], timeout=5)
+
+def serve():
+    try:
+        while (bucket := subscriber.next(timeout=None)) is not None:
+            bucket.release()
+    except tensorbucket.ProducerGone:
+        pass
+
+threading.Thread(target=serve, daemon=True).start()
+time.sleep(0.2)
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a normal exit: the atexit hooks run in the child
+for _ in range(500):
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+        break
+    time.sleep(0.02)
+else:
+    os.kill(pid, 9)
+    print("child hung", flush=True)
+"""
+
+
+def test_a_child_forked_while_a_thread_waits_exits_cleanly(channel):
+    """The exit hook waits for this module's threads outside the GIL to park. Before, a child
+    forked while the parent's reader thread waited counted that thread too, which it does not
+    have, and hung at exit."""
+    done = subprocess.run([sys.executable, "-c", FORK_WHILE_A_THREAD_WAITS, channel],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "child exit 0\n"
+    assert [f for f in os.listdir("/dev/shm") if f.startswith(f"tensorbucket.{channel}")] == []
+
+
 def test_a_server_that_never_imports_torch_gets_tensors(channel):
     """Before, the first view crashed a process that had imported tensorbucket alone: torch's
     Python types were not set up."""
