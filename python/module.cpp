@@ -119,13 +119,30 @@ auto wait_until(Deadline deadline, Attempt&& attempt) {
   }
 }
 
+// Forks of this process so far, as its child counts them: bumped in every child
+// (pthread_atfork, registered at import).
+std::atomic<std::uint64_t> forks_seen = 0;
+
+void after_fork_in_child() {
+  ++forks_seen;
+  OutsideGil::forget_other_threads();
+}
+
 // A C++ Publisher or Subscriber serves one thread at a time (channel.hpp), and its wrapper gives
 // up the GIL while it waits and copies, which lets another thread in: each call takes a turn
-// first. Waits as wait_until does; none, with nothing done, when `deadline` passed first.
+// first. A child forked while a thread of the parent had the turn inherits it taken, by a
+// thread the child does not have: there calls go straight on, to the C++ handle, which refuses
+// them (and, closing, touches nothing shared).
+struct Turns {
+  std::timed_mutex mutex;
+  std::uint64_t forks = forks_seen;  // when the handle was made
+};
 using Turn = std::unique_lock<std::timed_mutex>;
 
-std::optional<Turn> take_turn(std::timed_mutex& mutex, Deadline deadline = std::nullopt) {
-  Turn turn(mutex, std::try_to_lock);
+// Waits as wait_until does; none, with nothing done, when `deadline` passed first.
+std::optional<Turn> take_turn(Turns& turns, Deadline deadline = std::nullopt) {
+  if (turns.forks != forks_seen) return Turn();  // in a forked child: see Turns
+  Turn turn(turns.mutex, std::try_to_lock);
   if (turn.owns_lock() || wait_until(deadline, [&](auto slice) { return turn.try_lock_for(slice); })) {
     return turn;
   }
@@ -368,7 +385,7 @@ class PyPublisher {
     if (!published) throw PublishTimeout{};
   }
 
-  std::timed_mutex turn_;
+  Turns turn_;
   std::atomic<bool> closing_ = false;  // set by close() before it waits for its turn
   Publisher publisher_;
   std::optional<Kept> kept_;
@@ -498,7 +515,7 @@ class PySubscriber {
     return std::move(*attached);
   }
 
-  std::timed_mutex turn_;
+  Turns turn_;
   std::atomic<bool> closing_ = false;  // set by close() before it waits for its turn
   std::string channel_;
   std::optional<Subscriber> subscriber_;  // none once closed
@@ -558,7 +575,7 @@ PYBIND11_MODULE(tensorbucket, m) {
 
   // At exit: park the threads waiting in this module (OutsideGil), then close every open
   // Publisher, which Python would not destroy while a daemon thread still reaches it.
-  ::pthread_atfork(nullptr, nullptr, &OutsideGil::forget_other_threads);
+  ::pthread_atfork(nullptr, nullptr, &after_fork_in_child);
   py::module_::import("atexit").attr("register")(py::cpp_function([] {
     OutsideGil::park_all();
     for (auto* publisher : std::vector<PyPublisher*>(PyPublisher::open().begin(), PyPublisher::open().end())) {

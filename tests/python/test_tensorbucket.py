@@ -465,6 +465,34 @@ def test_a_forked_child_can_neither_use_nor_take_down_its_parents_channel(channe
     tensorbucket.Subscriber(channel, timeout=0)  # the channel is still there for others
 
 
+def test_a_child_forked_while_a_call_waits_can_close_its_copy(channel):
+    """Before, the child inherited the waiting thread's turn, taken by a thread it does not
+    have, and close() (the end of a with-block, say) waited for it for ever."""
+    publisher = tensorbucket.Publisher(channel, slots=1)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    publisher.publish({"w": torch.ones(8)})
+    held = subscriber.next(timeout=5)
+    waiter = threading.Thread(target=lambda: publisher.publish({"w": torch.ones(8)}, timeout=None))
+    waiter.start()
+    time.sleep(0.2)  # the waiter has the turn, and waits for the held slot
+    pid = os.fork()
+    if pid == 0:
+        publisher.close()
+        os._exit(0)
+    for _ in range(250):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.02)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    held.release()
+    waiter.join()
+    assert done and os.waitstatus_to_exitcode(status) == 0
+    assert publisher.published == 2  # the parent's channel went on
+
+
 def test_a_bucket_is_a_read_only_mapping_of_lazy_views(channel):
     publisher = tensorbucket.Publisher(channel)
     subscriber = tensorbucket.Subscriber(channel, timeout=5)
