@@ -336,10 +336,8 @@ class PyPublisher {
   }
   // Without a turn: a parked thread may hold it, but it is done with the C++ handle.
   void close_at_exit() { publisher_.close(); }
-  std::uint64_t published() {
-    auto turn = take_turn(turn_);
-    return publisher_.published();
-  }
+  // Read without a turn, so that a thread that reports progress does not wait for a publish.
+  std::uint64_t published() const { return published_; }
 
  private:
   struct Kept {
@@ -383,10 +381,12 @@ class PyPublisher {
       return torch_bridge::publish_in_place(publisher_, kept_->builder, staged_, slice);
     });
     if (!published) throw PublishTimeout{};
+    published_ = publisher_.published();
   }
 
   Turns turn_;
   std::atomic<bool> closing_ = false;  // set by close() before it waits for its turn
+  std::atomic<std::uint64_t> published_ = 0;  // publisher_.published(), after each publish
   Publisher publisher_;
   std::optional<Kept> kept_;
   std::vector<at::Tensor> staged_;  // this call's tensors in layout order; reused for capacity

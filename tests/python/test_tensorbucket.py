@@ -214,6 +214,28 @@ def test_close_from_another_thread_ends_a_waiting_call(channel, waiting):
         subscriber.next(timeout=1)
 
 
+def test_published_is_read_without_waiting_for_a_publish(channel):
+    """Before, reading it waited for the turn of a publish() waiting in another thread: for
+    ever with timeout=None."""
+    publisher = tensorbucket.Publisher(channel, slots=1)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    publisher.publish({"w": torch.ones(4)})
+    held = subscriber.next(timeout=5)
+    waiter = threading.Thread(target=lambda: publisher.publish({"w": torch.ones(4)}, timeout=None))
+    waiter.start()
+    time.sleep(0.2)  # the waiter has the turn, and waits for the held slot
+    counts = []
+    reader = threading.Thread(target=lambda: counts.append(publisher.published))
+    reader.start()
+    reader.join(timeout=5)
+    read_in_time = not reader.is_alive()
+    held.release()
+    waiter.join()
+    reader.join()
+    assert read_in_time and counts == [1]
+    assert publisher.published == 2
+
+
 def test_a_closed_subscriber_leaves_once_its_views_are_gone(channel):
     """A server that stops reading closes its Subscriber; before, only garbage collection
     detached it."""
