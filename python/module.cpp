@@ -153,6 +153,13 @@ std::optional<Turn> take_turn(Turns& turns, Deadline deadline = std::nullopt) {
 std::string type_name(PyObject* value) { return Py_TYPE(value)->tp_name; }
 std::string type_name(const py::handle& value) { return type_name(value.ptr()); }
 
+// Whether a Python object is a torch.Tensor. THPVariable_Check alone is an isinstance() that,
+// for any type but Tensor itself, goes through the metaclass's __instancecheck__: ~30 ns, which
+// made a publish of 1000 nn.Parameters ~50% slower than one of their state_dict() copies.
+bool is_tensor(const py::handle& value) {
+  return THPVariable_CheckExact(value.ptr()) || THPVariable_Check(value.ptr());
+}
+
 // Calls visit(name, tensor) for a (name, tensor) pair: a tuple or a list of two.
 template <class Visit>
 void visit_pair(PyObject* pair, Visit& visit) {
@@ -182,16 +189,20 @@ void for_each_item(const py::handle& tensors, Visit&& visit) {
     }
     return;
   }
-  py::iterable items = py::hasattr(tensors, "items") ? py::iterable(tensors.attr("items")())
-                                                      : py::reinterpret_borrow<py::iterable>(tensors);
-  for (auto item : items) visit_pair(item.ptr(), visit);
-}
-
-// Whether a Python object is a torch.Tensor. THPVariable_Check alone is an isinstance() that,
-// for any type but Tensor itself, goes through the metaclass's __instancecheck__: ~30 ns, which
-// made a publish of 1000 nn.Parameters ~50% slower than one of their state_dict() copies.
-bool is_tensor(const py::handle& value) {
-  return THPVariable_CheckExact(value.ptr()) || THPVariable_Check(value.ptr());
+  if (py::hasattr(tensors, "items")) {
+    for (auto item : py::iterable(tensors.attr("items")())) visit_pair(item.ptr(), visit);
+    return;
+  }
+  // A tensor or a str would iterate, into rows or letters: refused as a whole instead.
+  if (is_tensor(tensors) || PyUnicode_Check(all) || !py::isinstance<py::iterable>(tensors)) {
+    std::string hint = py::hasattr(tensors, "state_dict")
+                           ? "; for a module, pass module.state_dict(keep_vars=True), built once"
+                           : "";
+    throw Error(ErrorCode::InvalidArgument,
+                "tensors must be a dict {name: tensor} or a list of (name, tensor) pairs, not " +
+                    type_name(tensors) + hint);
+  }
+  for (auto item : py::reinterpret_borrow<py::iterable>(tensors)) visit_pair(item.ptr(), visit);
 }
 
 // The tensor a Python object holds; InvalidArgument naming the entry otherwise.

@@ -84,6 +84,20 @@ def test_pairs_come_in_any_sequence_or_iterable_and_bad_ones_are_named(channel):
     assert publisher.published == len(inputs)
 
 
+def test_what_is_not_a_collection_of_named_tensors_is_named(channel):
+    """Before, a module, a tensor or None passed as the tensors raised a bare TypeError ("'Linear'
+    object is not iterable") or complained about the tensor's rows."""
+    publisher = tensorbucket.Publisher(channel)
+    for bad, type_name in [(torch.nn.Linear(2, 2), "Linear"), (torch.ones(3), "Tensor"),
+                           (None, "NoneType"), (5, "int"), ("w", "str")]:
+        with pytest.raises(tensorbucket.Error, match=f"must be a dict {{name: tensor}} or a list of "
+                                                     f"\\(name, tensor\\) pairs, not {type_name}"):
+            publisher.publish(bad)
+    with pytest.raises(tensorbucket.Error, match=r"for a module, pass module.state_dict\(keep_vars=True\)"):
+        publisher.publish(torch.nn.Linear(2, 2))
+    assert publisher.published == 0
+
+
 def test_refuses_a_meta_tensor_with_a_manifest_error(channel):
     publisher = tensorbucket.Publisher(channel)
     with pytest.raises(tensorbucket.ManifestError, match="'w' is a meta tensor"):
