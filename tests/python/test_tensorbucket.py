@@ -228,16 +228,24 @@ def test_close_from_another_thread_ends_a_waiting_call(channel, waiting):
         subscriber.next(timeout=1)
 
 
+def a_publish_waiting_in_another_thread(channel):
+    """A one-slot publisher whose slot a subscriber holds, and a thread that has the
+    publisher's turn and waits for that slot in publish(timeout=None). Returns the publisher,
+    the held bucket (release it to let the thread finish) and the thread."""
+    publisher = tensorbucket.Publisher(channel, slots=1)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    publisher.publish({"w": torch.ones(8)})
+    held = subscriber.next(timeout=5)
+    waiter = threading.Thread(target=lambda: publisher.publish({"w": torch.ones(8)}, timeout=None))
+    waiter.start()
+    time.sleep(0.2)
+    return publisher, held, waiter
+
+
 def test_published_is_read_without_waiting_for_a_publish(channel):
     """Before, reading it waited for the turn of a publish() waiting in another thread: for
     ever with timeout=None."""
-    publisher = tensorbucket.Publisher(channel, slots=1)
-    subscriber = tensorbucket.Subscriber(channel, timeout=5)
-    publisher.publish({"w": torch.ones(4)})
-    held = subscriber.next(timeout=5)
-    waiter = threading.Thread(target=lambda: publisher.publish({"w": torch.ones(4)}, timeout=None))
-    waiter.start()
-    time.sleep(0.2)  # the waiter has the turn, and waits for the held slot
+    publisher, held, waiter = a_publish_waiting_in_another_thread(channel)
     counts = []
     reader = threading.Thread(target=lambda: counts.append(publisher.published))
     reader.start()
@@ -504,13 +512,7 @@ def test_a_forked_child_can_neither_use_nor_take_down_its_parents_channel(channe
 def test_a_child_forked_while_a_call_waits_can_close_its_copy(channel):
     """Before, the child inherited the waiting thread's turn, taken by a thread it does not
     have, and close() (the end of a with-block, say) waited for it for ever."""
-    publisher = tensorbucket.Publisher(channel, slots=1)
-    subscriber = tensorbucket.Subscriber(channel, timeout=5)
-    publisher.publish({"w": torch.ones(8)})
-    held = subscriber.next(timeout=5)
-    waiter = threading.Thread(target=lambda: publisher.publish({"w": torch.ones(8)}, timeout=None))
-    waiter.start()
-    time.sleep(0.2)  # the waiter has the turn, and waits for the held slot
+    publisher, held, waiter = a_publish_waiting_in_another_thread(channel)
     pid = os.fork()
     if pid == 0:
         publisher.close()
