@@ -136,6 +136,9 @@ void after_fork_in_child() {
 struct Turns {
   std::timed_mutex mutex;
   std::uint64_t forks = forks_seen;  // when the handle was made
+  // Set by close() before it takes its turn: a call waiting in another thread sees it between
+  // two wait slices and ends, where close() would otherwise wait behind it (for ever with None).
+  std::atomic<bool> closing = false;
 };
 using Turn = std::unique_lock<std::timed_mutex>;
 
@@ -147,6 +150,12 @@ std::optional<Turn> take_turn(Turns& turns, Deadline deadline = std::nullopt) {
     return turn;
   }
   return std::nullopt;
+}
+
+// close()'s turn: announced first (see Turns::closing), then taken.
+Turn take_last_turn(Turns& turns) {
+  turns.closing = true;
+  return std::move(*take_turn(turns));
 }
 
 // The name of a Python object's type, for error messages: "int", "list".
@@ -338,11 +347,8 @@ class PyPublisher {
              return publisher_.drain(slice);
            });
   }
-  // Says so first: a publish() or drain() waiting in another thread then ends within a wait
-  // slice, where close() would otherwise wait for its turn behind it (for ever with None).
   void close() {
-    closing_ = true;
-    auto turn = take_turn(turn_);
+    auto turn = take_last_turn(turn_);
     publisher_.close();
   }
   // Without a turn: a parked thread may hold it, but it is done with the C++ handle.
@@ -357,9 +363,9 @@ class PyPublisher {
     BucketBuilder builder;  // every entry declared
   };
 
-  // Between the wait slices of publish() and drain(): see close().
+  // Between the wait slices of publish() and drain(): see Turns::closing.
   void stop_if_closing(const char* outcome) const {
-    if (closing_) {
+    if (turn_.closing) {
       throw Error(ErrorCode::InvalidArgument, "channel '" + publisher_.channel() + "' is closed" + outcome);
     }
   }
@@ -396,7 +402,6 @@ class PyPublisher {
   }
 
   Turns turn_;
-  std::atomic<bool> closing_ = false;  // set by close() before it waits for its turn
   std::atomic<std::uint64_t> published_ = 0;  // publisher_.published(), after each publish
   Publisher publisher_;
   std::optional<Kept> kept_;
@@ -493,19 +498,18 @@ class PySubscriber {
     auto turn = take_turn(turn_, deadline);
     if (!turn) return std::nullopt;
     auto bucket = wait_until(deadline, [&](auto slice) {
-      if (closing_) throw Error(ErrorCode::InvalidArgument, "subscriber of channel '" + channel_ + "' is closed");
+      if (turn_.closing) throw Error(ErrorCode::InvalidArgument, "subscriber of channel '" + channel_ + "' is closed");
       return subscriber_->next(slice, options);
     });
     if (!bucket) return std::nullopt;
     return PyBucket(std::move(*bucket));
   }
 
-  // Stops receiving: a next() waiting in another thread raises (see PyPublisher::close()).
-  // The consumer leaves the channel once every bucket and view it handed out is gone; their
-  // leases hold until then.
+  // Stops receiving: a next() waiting in another thread raises (see Turns::closing). The
+  // consumer leaves the channel once every bucket and view it handed out is gone; their leases
+  // hold until then.
   void close() {
-    closing_ = true;
-    auto turn = take_turn(turn_);
+    auto turn = take_last_turn(turn_);
     subscriber_.reset();
   }
 
@@ -527,7 +531,6 @@ class PySubscriber {
   }
 
   Turns turn_;
-  std::atomic<bool> closing_ = false;  // set by close() before it waits for its turn
   std::string channel_;
   std::optional<Subscriber> subscriber_;  // none once closed
 };
@@ -538,10 +541,7 @@ void load_into(const py::object& module, const py::handle& tensors) {
   // of what a state_dict() costs
   auto targets = to_named(module.attr("state_dict")(py::arg("keep_vars") = true));
   auto sources = to_named(tensors);
-  OutsideGil::run([&] {
-    torch_bridge::load_into(targets, sources);
-    return true;
-  });
+  OutsideGil::run([&] { torch_bridge::load_into(targets, sources); });
 }
 
 }  // namespace
