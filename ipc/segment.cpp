@@ -38,7 +38,7 @@ std::string in_units(std::uint64_t bytes) {
 // a bucket larger than the shared-memory filesystem's free space then fails only while being
 // written, with SIGBUS, or with the OOM killer when that filesystem is as large as the memory,
 // and leaves a full filesystem behind. posix_fallocate fails instead, with nothing written.
-void reserve(int fd, const std::string& name, std::size_t bytes) {
+void allocate_all(int fd, const std::string& name, std::size_t bytes) {
   struct statvfs filesystem {};
   // Checked first: tmpfs would fill up before refusing, and squeeze everyone else meanwhile. A
   // tmpfs without a size limit reports no blocks at all: nothing to check against.
@@ -66,7 +66,7 @@ Segment Segment::create(const std::string& name, std::size_t bytes, mode_t mode)
     bip::permissions permissions(static_cast<int>(mode));
     bip::shared_memory_object shm(bip::create_only, name.c_str(), bip::read_write, permissions);
     try {
-      reserve(shm.get_mapping_handle().handle, name, bytes);
+      allocate_all(shm.get_mapping_handle().handle, name, bytes);
       return Segment(bip::mapped_region(shm, bip::read_write));
     } catch (...) {
       bip::shared_memory_object::remove(name.c_str());
