@@ -78,13 +78,17 @@ TEST(TorchBridge, EveryDtypeRoundTripsBitExactly) {
 TEST(TorchBridge, StridedAndGradTensorsTravelByValue) {
   auto transposed = torch::arange(24, at::kFloat).reshape({4, 6}).t();
   auto sliced = torch::arange(20, at::kLong).slice(0, 1, 20, 3);
+  // Contiguous, but starting past the front of their storage: their bytes are read in place.
+  auto row = torch::arange(24, at::kDouble).reshape({4, 6})[2];
+  auto tail = torch::arange(20, at::kShort).slice(0, 5);
   auto trained = torch::randn({5}, torch::requires_grad());
   // Lazily negated: its stored bytes are not its values.
   auto negated = torch::_neg_view(torch::arange(6, at::kFloat));
   ASSERT_FALSE(transposed.is_contiguous());
   ASSERT_TRUE(negated.is_neg());
-  NamedTensors sent{{"transposed", transposed}, {"sliced", sliced}, {"trained", trained},
-                    {"negated", negated}};
+  ASSERT_TRUE(row.is_contiguous() && row.storage_offset() == 12);
+  NamedTensors sent{{"transposed", transposed}, {"sliced", sliced}, {"row", row},
+                    {"tail", tail},            {"trained", trained}, {"negated", negated}};
   for (bool in_place : {false, true}) {
     auto received = round_trip(sent, in_place);
     for (std::size_t i = 0; i < sent.size(); ++i) {
