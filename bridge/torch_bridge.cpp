@@ -77,8 +77,8 @@ bool plain_bytes(const at::Tensor& tensor) {
 
 // Where a plain tensor's bytes start, as data_ptr() says, without its checks: they took half as
 // long as all of fits() (has_storage() is a virtual call). Null for a tensor without storage or
-// with storage that holds no memory (a functional or Python wrapper), which copy_ then reads,
-// or says why it cannot.
+// with storage that holds no memory (a __torch_dispatch__ wrapper subclass), which copy_ then
+// reads, or says why it cannot.
 const void* storage_bytes(const at::Tensor& tensor) {
   const auto& impl = *tensor.unsafeGetTensorImpl();
   const auto& storage = impl.unsafe_storage();

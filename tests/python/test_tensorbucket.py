@@ -595,24 +595,42 @@ def test_each_publish_sends_the_current_tensors_whatever_changed(channel):
 
 def test_parameters_and_tensor_subclasses_are_sent_by_value(channel):
     """A trainer's own parameters (named_parameters(), state_dict(keep_vars=True)) and Tensor
-    subclasses go out as their values, on the first publish and through the kept layout."""
+    subclasses, wrappers included, go out as their values, on the first publish and through the
+    kept layout."""
     class Tagged(torch.Tensor):
         pass
 
+    class Wrapper(torch.Tensor):
+        """Holds its values in another tensor: its own storage has no memory."""
+        @staticmethod
+        def __new__(cls, inner):
+            return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+        def __init__(self, inner):
+            self.held = inner
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            unwrap = lambda x: x.held if isinstance(x, Wrapper) else x  # noqa: E731
+            return func(*map(unwrap, args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
     model = torch.nn.Linear(3, 2)
-    weights = {**dict(model.named_parameters()), "tagged": torch.arange(3.0).as_subclass(Tagged)}
+    weights = {**dict(model.named_parameters()), "tagged": torch.arange(3.0).as_subclass(Tagged),
+               "wrapped": Wrapper(torch.arange(4.0))}
     publisher = tensorbucket.Publisher(channel)
     subscriber = tensorbucket.Subscriber(channel, timeout=5)
     for version in range(3):
         publisher.publish(weights, version=version)
         with subscriber.next(timeout=5) as bucket:
-            assert list(bucket) == ["weight", "bias", "tagged"]
+            assert list(bucket) == ["weight", "bias", "tagged", "wrapped"]
             for name, tensor in weights.items():
                 assert type(bucket[name]) is torch.Tensor and not bucket[name].requires_grad
-                assert torch.equal(bucket[name], tensor.detach()), (version, name)
+                values = tensor.held if isinstance(tensor, Wrapper) else tensor.detach()
+                assert torch.equal(bucket[name], values), (version, name)
         with torch.no_grad():  # an optimizer step: in place
             model.weight.add_(1)
             weights["tagged"].mul_(2)
+            weights["wrapped"].add_(10)
 
 
 def test_a_state_dict_built_once_sends_every_steps_weights(channel):
