@@ -28,8 +28,8 @@ constexpr Pair kPairs[] = {
     {DType::F64, at::kDouble},
 };
 
-// kPairs by manifest dtype, for the check every tensor of every step goes through: searching
-// kPairs took a fifth of it. Undefined where torch has no such dtype.
+// kPairs by manifest dtype, for what runs once per tensor (the check of every step, each view):
+// searching kPairs took a fifth of the check. Undefined where torch has no such dtype.
 constexpr auto kScalarTypes = [] {
   std::array<at::ScalarType, kDTypeCount> out{};
   out.fill(at::ScalarType::Undefined);
@@ -145,8 +145,9 @@ DType dtype_of(at::ScalarType type, const std::string& entry) {
 }
 
 at::ScalarType scalar_type_of(DType dtype, const std::string& entry) {
-  for (const auto& pair : kPairs) {
-    if (pair.dtype == dtype) return pair.type;
+  auto index = static_cast<std::size_t>(dtype);
+  if (index < kScalarTypes.size() && kScalarTypes[index] != at::ScalarType::Undefined) {
+    return kScalarTypes[index];
   }
   fail(ErrorCode::UnsupportedDtype, "entry ", Quoted{entry}, " has dtype ", dtype_name(dtype),
        ", which torch ", TORCH_VERSION, " cannot represent");

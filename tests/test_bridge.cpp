@@ -209,6 +209,19 @@ TEST(TorchBridge, LoadIntoCopiesEveryParameterAndBuffer) {
   EXPECT_EQ(torch_bridge::expected_manifest(server).entries.size(), sent.size());
 }
 
+// U16 travels between C++ peers, but torch 1.13 has no such dtype: no view is made.
+TEST(TorchBridge, ADtypeTorchLacksIsRefusedNamingTheEntry) {
+  std::uint16_t counts[3] = {1, 2, 3};
+  BucketBuilder builder;
+  builder.add("f", DType::F32, {1}, std::array<float, 1>{0.5f}.data());
+  builder.add("counts", DType::U16, {3}, counts);
+  auto packed = builder.pack();
+  auto view = BucketView::open(packed.frame, packed.payload.span());
+  auto message = expect_error(ErrorCode::UnsupportedDtype, [&] { torch_bridge::tensors(view); });
+  EXPECT_NE(message.find("'counts'"), std::string::npos) << message;
+  EXPECT_NE(message.find("U16"), std::string::npos) << message;
+}
+
 TEST(TorchBridge, LoadIntoIsStrictAndCopiesNothingOnMismatch) {
   Net server;
   auto before = server.fc->weight.clone();
