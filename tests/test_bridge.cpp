@@ -211,9 +211,10 @@ TEST(TorchBridge, LoadIntoCopiesEveryParameterAndBuffer) {
 
 // U16 travels between C++ peers, but torch 1.13 has no such dtype: no view is made.
 TEST(TorchBridge, ADtypeTorchLacksIsRefusedNamingTheEntry) {
+  float f[1] = {0.5f};
   std::uint16_t counts[3] = {1, 2, 3};
   BucketBuilder builder;
-  builder.add("f", DType::F32, {1}, std::array<float, 1>{0.5f}.data());
+  builder.add("f", DType::F32, {1}, f);
   builder.add("counts", DType::U16, {3}, counts);
   auto packed = builder.pack();
   auto view = BucketView::open(packed.frame, packed.payload.span());
