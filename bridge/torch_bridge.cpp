@@ -37,6 +37,12 @@ constexpr auto kScalarTypes = [] {
   return out;
 }();
 
+// The torch dtype of a manifest dtype; Undefined where torch has none.
+at::ScalarType torch_type(DType dtype) {
+  auto index = static_cast<std::size_t>(dtype);
+  return index < kScalarTypes.size() ? kScalarTypes[index] : at::ScalarType::Undefined;
+}
+
 Shape shape_of(const at::Tensor& tensor) {
   auto sizes = tensor.sizes();
   return Shape(std::span<const std::int64_t>(sizes.data(), sizes.size()));
@@ -145,10 +151,8 @@ DType dtype_of(at::ScalarType type, const std::string& entry) {
 }
 
 at::ScalarType scalar_type_of(DType dtype, const std::string& entry) {
-  auto index = static_cast<std::size_t>(dtype);
-  if (index < kScalarTypes.size() && kScalarTypes[index] != at::ScalarType::Undefined) {
-    return kScalarTypes[index];
-  }
+  auto type = torch_type(dtype);
+  if (type != at::ScalarType::Undefined) return type;
   fail(ErrorCode::UnsupportedDtype, "entry ", Quoted{entry}, " has dtype ", dtype_name(dtype),
        ", which torch ", TORCH_VERSION, " cannot represent");
 }
@@ -206,8 +210,8 @@ bool fits(const at::Tensor& tensor, const ManifestEntry& entry) noexcept {
   for (std::size_t d = 0; d < sizes.size(); ++d) {
     if (sizes[d] != entry.shape[d]) return false;
   }
-  auto index = static_cast<std::size_t>(entry.dtype);
-  return index < kScalarTypes.size() && kScalarTypes[index] == tensor.scalar_type();
+  auto type = torch_type(entry.dtype);
+  return type != at::ScalarType::Undefined && type == tensor.scalar_type();
 }
 
 bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
