@@ -39,6 +39,7 @@ struct detail::PublisherState {
   ipc::ControlBlock* control;
   std::vector<std::optional<ipc::Segment>> slot_segments;
   std::vector<std::uint64_t> slot_generation;  // what this producer last stored per slot
+  std::vector<std::uint64_t> frame_encoding;   // per slot: the encoding_id_ its frame holds, or 0
   std::uint64_t published = 0;
   bool reservation_open = false;
   bool closed = false;
@@ -50,7 +51,8 @@ struct detail::PublisherState {
         control_segment(std::move(segment)),
         control(reinterpret_cast<ipc::ControlBlock*>(control_segment.data())),
         slot_segments(opts.slots),
-        slot_generation(opts.slots, 0) {}
+        slot_generation(opts.slots, 0),
+        frame_encoding(opts.slots, 0) {}
 
   ipc::SlotControl& slot(std::uint32_t s) { return control->slots[s]; }
 
@@ -144,6 +146,7 @@ struct detail::PublisherState {
     control_slot.payload_capacity = payload_capacity;
     if (old_epoch != 0) ipc::Segment::remove(ipc::slot_segment_name(channel, s, old_epoch));
     segment = std::move(grown);
+    frame_encoding[s] = 0;
     return *segment;
   }
 
@@ -179,20 +182,23 @@ struct detail::PublisherState {
 
   // A producer resends its layout every step, so the slot's frame usually holds it already but
   // for the identity fields at its front: writing only those leaves the rest (~60 bytes an
-  // entry) in the consumers' caches, where they read it to verify the next bucket.
-  static void write_manifest(std::byte* to, std::span<const std::byte> manifest_bytes) {
+  // entry) in the consumers' caches, where they read it to verify the next bucket. Known
+  // without a look when this producer wrote the same encoding there; else compared.
+  void write_manifest(std::uint32_t s, std::byte* to, std::span<const std::byte> manifest_bytes,
+                      std::uint64_t encoding_id) {
     auto front = std::min(manifest_bytes.size(), detail::kIdentityEnd);
     std::memcpy(to, manifest_bytes.data(), front);
-    if (std::memcmp(to + front, manifest_bytes.data() + front, manifest_bytes.size() - front) != 0) {
-      std::memcpy(to + front, manifest_bytes.data() + front, manifest_bytes.size() - front);
-    }
+    if (frame_encoding[s] == encoding_id) return;
+    auto rest = manifest_bytes.subspan(front);
+    if (std::memcmp(to + front, rest.data(), rest.size()) != 0) std::memcpy(to + front, rest.data(), rest.size());
+    frame_encoding[s] = encoding_id;
   }
 
   // Claims the next slot, sizes its segment and writes the manifest into its frame; nullopt on
-  // timeout, else where the payload goes.
+  // timeout, else where the payload goes. `encoding_id`: see write_manifest().
   std::optional<std::byte*> begin(std::uint64_t payload_bytes,
                                   std::span<const std::byte> manifest_bytes,
-                                  std::chrono::milliseconds timeout) {
+                                  std::uint64_t encoding_id, std::chrono::milliseconds timeout) {
     if (closed) fail(ErrorCode::InvalidArgument, "channel ", Quoted{channel}, " is closed");
     refuse_if_forked();
     if (reservation_open) {
@@ -210,7 +216,8 @@ struct detail::PublisherState {
       control_slot.publish_start_ns = start_ns;
       auto frame_bytes = sizeof(BucketHeader) + manifest_bytes.size();
       auto* base = segment_for(s, payload_bytes, frame_bytes).data();
-      write_manifest(base + control_slot.payload_capacity + sizeof(BucketHeader), manifest_bytes);
+      write_manifest(s, base + control_slot.payload_capacity + sizeof(BucketHeader), manifest_bytes,
+                     encoding_id);
       control_slot.frame_bytes = frame_bytes;
       return base;
     } catch (...) {
@@ -316,7 +323,7 @@ Publisher::~Publisher() { close(); }
 bool Publisher::publish(const BucketBuilder& bucket, std::chrono::milliseconds timeout) {
   auto manifest_bytes = bucket.encoded_manifest();  // refuses incomplete groups before any claim
   auto payload_bytes = bucket.payload_bytes();
-  auto base = state_->begin(payload_bytes, manifest_bytes, timeout);
+  auto base = state_->begin(payload_bytes, manifest_bytes, bucket.encoding_id_, timeout);
   if (!base) return false;
   try {
     bucket.pack_into({*base, payload_bytes});
@@ -332,7 +339,7 @@ std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
                                               std::chrono::milliseconds timeout) {
   auto manifest_bytes = layout.encoded_manifest();
   auto payload_bytes = layout.payload_bytes();
-  auto base = state_->begin(payload_bytes, manifest_bytes, timeout);
+  auto base = state_->begin(payload_bytes, manifest_bytes, layout.encoding_id_, timeout);
   if (!base) return std::nullopt;
   std::span<std::byte> payload{*base, payload_bytes};
   // Zero the padding between entries, so no bytes of an older bucket travel in it. Only the

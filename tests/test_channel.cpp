@@ -282,6 +282,42 @@ TEST_F(Channel, SlotManifestFollowsEveryLayoutChange) {
   }
 }
 
+// A producer that keeps one builder (the Python module does) has the slot's manifest written in
+// full only when the builder changed since that slot last held it; each step arrives as sent,
+// through both slots and through a copy of the builder that changed apart.
+TEST_F(Channel, SlotManifestFollowsChangesOfAKeptBuilder) {
+  auto publisher = Publisher::create(channel, {.slots = 2});
+  auto subscriber = Subscriber::attach(channel, 1s);
+  const float values[2] = {1.5f, -2.5f};
+  std::uint64_t version = 0;
+  auto send = [&](BucketBuilder& layout, const std::vector<std::string>& names) {
+    layout.version(++version);
+    auto reservation = publisher.reserve(layout, 1s);
+    ASSERT_TRUE(reservation.has_value());
+    for (std::size_t i = 0; i < names.size(); ++i) reservation->write(i, values);
+    reservation->commit();
+    auto bucket = subscriber.next(1s);
+    ASSERT_TRUE(bucket.has_value());
+    EXPECT_EQ(bucket->view().version(), version);
+    std::vector<std::string> received;
+    for (const auto& entry : bucket->view().manifest().entries) received.push_back(entry.name);
+    EXPECT_EQ(received, names) << "version " << version;
+  };
+  BucketBuilder kept;
+  kept.declare("a", DType::F32, Shape{2});
+  for (int step = 0; step < 3; ++step) send(kept, {"a"});  // slots 0, 1, 0
+  kept.declare("b", DType::F32, Shape{2});
+  send(kept, {"a", "b"});  // slot 1
+  send(kept, {"a", "b"});  // slot 0
+  auto copy = kept;
+  copy.declare("c", DType::F32, Shape{2});
+  send(copy, {"a", "b", "c"});  // slot 1
+  send(kept, {"a", "b"});       // slot 0, which holds it
+  send(copy, {"a", "b", "c"});  // slot 1, which holds it
+  send(copy, {"a", "b", "c"});  // slot 0, which holds the kept builder's
+  send(kept, {"a", "b"});       // slot 1, which holds the copy's
+}
+
 TEST_F(Channel, SlotsGrowForLargerBuckets) {
   auto publisher = Publisher::create(channel, {.slots = 1});
   auto subscriber = Subscriber::attach(channel, 1s);
