@@ -401,6 +401,9 @@ Reservation::Reservation(Reservation&& other) noexcept
 
 void Reservation::write(std::size_t index, const void* data) {
   if (state_ == nullptr) fail(ErrorCode::InvalidArgument, "reservation was already committed");
+  // The slot is the parent's, taken before the fork: writing it would change the bucket the
+  // parent is about to publish.
+  state_->refuse_if_forked();
   if (index >= spans_.size()) {
     fail(ErrorCode::InvalidArgument, "entry ", index, " is past the last of ", spans_.size());
   }

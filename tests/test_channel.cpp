@@ -490,7 +490,29 @@ TEST_F(Channel, ForkedChildCannotUseOrTakeDownItsParentsHandles) {
   // The parent's lease still holds the only slot, and its channel and record are still there.
   EXPECT_FALSE(publisher->publish(cli::make_bucket(workload, 1).builder, 50ms));
   bucket.reset();
-  ASSERT_TRUE(publisher->publish(cli::make_bucket(workload, 1).builder, 1s));
+  // A reservation taken before the fork: the child's writes and commit are refused, and the
+  // parent publishes what it wrote.
+  auto filled = cli::make_bucket(workload, 1);
+  auto source = filled.builder.pack();
+  auto view = BucketView::open(source.frame, source.payload.span());
+  auto reservation = publisher->reserve(cli::make_layout(workload, 1), 1s);
+  ASSERT_TRUE(reservation.has_value());
+  Child writer([&] {
+    int refused = 0;
+    const std::vector<std::byte> garbage(workload.tensor_bytes, std::byte{0xAB});
+    for (auto call : {std::function<void()>([&] { reservation->write(0, garbage.data()); }),
+                      std::function<void()>([&] { reservation->commit(); })}) {
+      try {
+        call();
+      } catch (const Error& e) {
+        refused += e.code() == ErrorCode::InvalidArgument;
+      }
+    }
+    return refused == 2 ? 0 : 1;
+  });
+  ASSERT_EQ(writer.wait(), 0);
+  for (std::size_t t = 0; t < view.size(); ++t) reservation->write(t, view[t].bytes.data());
+  reservation->commit();
   auto next = subscriber->next(1s);
   ASSERT_TRUE(next.has_value());
   EXPECT_EQ(next->sequence(), 1u);
