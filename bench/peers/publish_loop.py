@@ -2,11 +2,12 @@
 the median time of publish(): a steady load for a profiler, and the quickest way to compare two
 builds of the module (run each a few times, alternating).
 
-PYTHONPATH=build/python /usr/bin/python3 bench/peers/publish_loop.py [floats per tensor] [seconds]
+PYTHONPATH=build/python /usr/bin/python3 bench/peers/publish_loop.py [--numel N] [--seconds S]
+    [--parameters]
 """
+import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -15,22 +16,28 @@ import tensorbucket
 
 
 def main():
-    numel = int(sys.argv[1]) if len(sys.argv) > 1 else 256  # 1 KiB of float32
-    seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 3
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--numel", type=int, default=256, help="float32 values per tensor")
+    parser.add_argument("--seconds", type=float, default=3)
+    parser.add_argument("--parameters", action="store_true", help="send nn.Parameters")
+    args = parser.parse_args()
     torch.set_num_threads(1)
-    tensors = {f"t{i}": torch.full((numel,), float(i)) for i in range(1000)}
+    tensors = {f"t{i}": torch.full((args.numel,), float(i)) for i in range(1000)}
+    if args.parameters:
+        tensors = {name: torch.nn.Parameter(t) for name, t in tensors.items()}
     channel = f"tbloop-{os.getpid()}"
     with tensorbucket.Publisher(channel, slots=2) as publisher:
         subscriber = tensorbucket.Subscriber(channel, timeout=5)
         times, version = [], 0
-        end = time.monotonic() + seconds
+        end = time.monotonic() + args.seconds
         while time.monotonic() < end:
             start = time.perf_counter_ns()
             publisher.publish(tensors, version=version)
             times.append(time.perf_counter_ns() - start)
             subscriber.next(timeout=5).release()
             version += 1
-    print(f"1000 x {numel * 4} B: publish median {statistics.median(times) / 1000:.1f} us "
+    kind = " nn.Parameter" if args.parameters else ""
+    print(f"1000 x {args.numel * 4} B{kind}: publish median {statistics.median(times) / 1000:.1f} us "
           f"over {len(times)} publishes")
 
 
