@@ -536,10 +536,17 @@ class PySubscriber {
 };
 
 // Strict load_state_dict: every problem in one error, nothing copied when any.
+// Into a module, or into its tensors as a mapping: state_dict() of 1000 tensors costs more
+// than loading them, and a server that built it once saves that on every step.
 void load_into(const py::object& module, const py::handle& tensors) {
   // keep_vars: the parameters themselves, without the detach() per entry that is about half
   // of what a state_dict() costs
-  auto targets = to_named(module.attr("state_dict")(py::arg("keep_vars") = true));
+  bool is_module = py::hasattr(module, "state_dict");
+  if (!is_module && !py::hasattr(module, "items")) {
+    throw Error(ErrorCode::InvalidArgument,
+                "module must be a torch.nn.Module or its state_dict(keep_vars=True), not " + type_name(module));
+  }
+  auto targets = to_named(is_module ? module.attr("state_dict")(py::arg("keep_vars") = true) : module);
   auto sources = to_named(tensors);
   OutsideGil::run([&] { torch_bridge::load_into(targets, sources); });
 }
@@ -653,5 +660,6 @@ PYBIND11_MODULE(tensorbucket, m) {
       .def("__exit__", [](PySubscriber& self, py::args) { self.close(); });
 
   m.def("load_into", &load_into, py::arg("module"), py::arg("tensors"),
-        "Copy tensors into module's parameters and buffers, as strictly as load_state_dict.");
+        "Copy tensors into module's parameters and buffers, as strictly as load_state_dict. "
+        "module may also be its state_dict(keep_vars=True), built once.");
 }

@@ -237,6 +237,61 @@ TEST(TorchBridge, LoadIntoIsStrictAndCopiesNothingOnMismatch) {
   EXPECT_TRUE(torch::equal(server.fc->weight, before));
 }
 
+// Loading writes dense targets with memmove: it still bumps each target's version, as copy_ does,
+// so autograd refuses a backward through values that changed; and targets of any other kind,
+// or sent in another order, load all the same.
+TEST(TorchBridge, LoadIntoBumpsVersionsAndLoadsAnyTarget) {
+  auto weight = torch::ones({2, 3}, torch::requires_grad());
+  auto saved = (weight * weight).sum();  // keeps weight for its backward
+  auto base = torch::zeros({3, 2});
+  auto transposed = base.t();             // not contiguous
+  auto whole = torch::zeros({4});
+  auto half = whole.slice(0, 2);  // contiguous, past the front of its storage
+  NamedTensors targets{{"weight", weight}, {"transposed", transposed}, {"half", half}};
+  NamedTensors sent{{"weight", torch::full({2, 3}, 2.0f)},
+                    {"transposed", torch::arange(6, torch::kFloat).reshape({2, 3})},
+                    {"half", torch::full({2}, 5.0f)}};
+  auto version = weight._version();
+  torch_bridge::load_into(targets, sent);
+  EXPECT_EQ(weight._version(), version + 1);
+  EXPECT_THROW(saved.backward(), c10::Error);  // "modified by an inplace operation"
+  for (std::size_t i = 0; i < targets.size(); ++i) {
+    EXPECT_TRUE(torch::equal(targets[i].second, sent[i].second)) << targets[i].first;
+  }
+  EXPECT_TRUE(torch::equal(base, sent[1].second.t()));
+  EXPECT_TRUE(torch::equal(whole, torch::tensor({0.0f, 0.0f, 5.0f, 5.0f})));
+
+  NamedTensors reversed(sent.rbegin(), sent.rend());
+  for (auto& [name, tensor] : reversed) tensor = tensor + 1;
+  torch_bridge::load_into(targets, reversed);
+  for (const auto& [name, tensor] : reversed) {
+    auto target = std::find_if(targets.begin(), targets.end(), [&](auto& p) { return p.first == name; });
+    EXPECT_TRUE(torch::equal(target->second, tensor)) << name;
+  }
+}
+
+// copy_ into an inference tensor throws outside InferenceMode: partway through, it left the
+// module half loaded. Refused first now, naming them; inside InferenceMode they load.
+TEST(TorchBridge, LoadIntoInferenceTensorsOnlyInInferenceMode) {
+  auto normal = torch::zeros({2});
+  at::Tensor inference;
+  {
+    c10::InferenceMode mode;
+    inference = torch::zeros({2});
+  }
+  NamedTensors targets{{"normal", normal}, {"inference", inference}};
+  NamedTensors sent{{"normal", torch::ones({2})}, {"inference", torch::ones({2})}};
+  auto message = expect_error(ErrorCode::InvalidArgument, [&] { torch_bridge::load_into(targets, sent); });
+  EXPECT_NE(message.find("'inference'"), std::string::npos) << message;
+  EXPECT_TRUE(torch::equal(normal, torch::zeros({2})));
+  {
+    c10::InferenceMode mode;
+    torch_bridge::load_into(targets, sent);
+  }
+  EXPECT_TRUE(torch::equal(normal, torch::ones({2})));
+  EXPECT_TRUE(torch::equal(inference, torch::ones({2})));
+}
+
 // Before, the copy into a meta tensor did nothing and load_into returned as if it had loaded.
 TEST(TorchBridge, LoadIntoRefusesMetaTargetsAndCopiesNothing) {
   auto real = torch::zeros({2});

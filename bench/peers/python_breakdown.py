@@ -73,10 +73,13 @@ def main():
         # quadratic in the number of modules).
         model = torch.nn.ModuleList(torch.nn.Linear(16, 16, bias=False) for _ in range(1000))
         publisher.publish(model.state_dict(), version=0)
+        weights = model.state_dict(keep_vars=True)
         with subscriber.next(timeout=5) as bucket:
             steps = {"state_dict()": model.state_dict,
                      "state_dict(keep_vars=True)": lambda: model.state_dict(keep_vars=True),
                      "load_into(model, bucket)": lambda: tensorbucket.load_into(model, bucket),
+                     "load_into(weights, bucket), weights built once":
+                         lambda: tensorbucket.load_into(weights, bucket),
                      "model.load_state_dict(bucket)": lambda: model.load_state_dict(bucket)}
             for name, step in steps.items():
                 rounds = []

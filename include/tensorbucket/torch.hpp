@@ -87,7 +87,8 @@ Manifest expected_manifest(const torch::nn::Module& module);
 // load_state_dict: one ManifestMismatch lists every missing, unexpected, dtype- and
 // shape-mismatched name, and nothing is copied when anything is wrong. Unmaterialized, naming
 // them, when some of the module's tensors are meta or undefined (copying into those would
-// silently do nothing).
+// silently do nothing); InvalidArgument, naming them, for inference tensors outside
+// InferenceMode. Each target's version is bumped, as copy_ does.
 void load_into(torch::nn::Module& module, const NamedTensors& tensors);
 // The same into `targets`, matched by name: a module's tensors gathered some other way (the
 // Python module passes a state_dict()).

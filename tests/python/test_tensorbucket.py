@@ -690,6 +690,47 @@ def test_load_into_is_strict_and_copies_nothing_on_mismatch():
     assert torch.equal(model.bias, torch.ones(2))
 
 
+def test_load_into_a_state_dict_built_once(channel):
+    """A server may pass its model's state_dict(keep_vars=True), built once, instead of the model:
+    the same strict load into the same parameters, without a state_dict() per bucket."""
+    trainer, server = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    weights = server.state_dict(keep_vars=True)
+    with tensorbucket.Publisher(channel) as publisher, tensorbucket.Subscriber(channel) as subscriber:
+        publisher.publish(trainer.state_dict(), version=1)
+        with subscriber.next() as bucket:
+            tensorbucket.load_into(weights, bucket)
+    assert torch.equal(server.weight, trainer.weight) and torch.equal(server.bias, trainer.bias)
+    before = server.weight.clone()
+    with pytest.raises(tensorbucket.ManifestError, match="missing 'bias'"):
+        tensorbucket.load_into(weights, {"weight": torch.zeros(2, 3)})
+    assert torch.equal(server.weight, before)
+    for not_a_model in (42, [("weight", server.weight)]):
+        with pytest.raises(tensorbucket.Error, match="module must be a torch.nn.Module or its "
+                                                     r"state_dict\(keep_vars=True\), not (int|list)"):
+            tensorbucket.load_into(not_a_model, {"weight": torch.zeros(2, 3)})
+
+
+def test_load_into_a_torch_dispatch_target_goes_through_its_copy():
+    """Plain tensors are loaded with a memmove; a subclass that handles its own ops is not
+    bypassed."""
+    class Recording(torch.Tensor):
+        copies = 0
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            assert func is torch.ops.aten.copy_.default, func
+            cls.copies += 1
+            args[0].base.copy_(args[1])
+            return args[0]
+
+    base = torch.zeros(3)
+    target = Recording._make_subclass(Recording, base)
+    target.base = base
+    tensorbucket.load_into({"w": target}, {"w": torch.ones(3)})
+    assert Recording.copies == 1
+    assert torch.equal(base, torch.ones(3))
+
+
 def test_load_into_refuses_a_module_on_the_meta_device():
     """Before, it returned as if loaded: copying into a meta tensor does nothing."""
     with pytest.raises(tensorbucket.ManifestError, match="Unmaterialized: cannot load into 'weight', 'bias'"):
