@@ -70,24 +70,27 @@ def main():
         subscriber = tensorbucket.Subscriber(channel, timeout=5)
         # Either end of a model with 1000 parameters of 1 KiB: what a trainer pays to build the
         # dict it publishes, and a server to load a bucket (torch's own load_state_dict is
-        # quadratic in the number of modules).
+        # quadratic in the number of modules). Each round receives a new bucket, as a server
+        # does every update: a bucket's views, once made, are kept by it.
         model = torch.nn.ModuleList(torch.nn.Linear(16, 16, bias=False) for _ in range(1000))
-        publisher.publish(model.state_dict(), version=0)
+        sent = model.state_dict()
         weights = model.state_dict(keep_vars=True)
-        with subscriber.next(timeout=5) as bucket:
-            steps = {"state_dict()": model.state_dict,
-                     "state_dict(keep_vars=True)": lambda: model.state_dict(keep_vars=True),
-                     "load_into(model, bucket)": lambda: tensorbucket.load_into(model, bucket),
-                     "load_into(weights, bucket), weights built once":
-                         lambda: tensorbucket.load_into(weights, bucket),
-                     "model.load_state_dict(bucket)": lambda: model.load_state_dict(bucket)}
-            for name, step in steps.items():
-                rounds = []
-                for _ in range(20):
+        steps = {"state_dict()": lambda bucket: model.state_dict(),
+                 "state_dict(keep_vars=True)": lambda bucket: model.state_dict(keep_vars=True),
+                 "load_into(model, bucket)": lambda bucket: tensorbucket.load_into(model, bucket),
+                 "load_into(weights, bucket), weights built once":
+                     lambda bucket: tensorbucket.load_into(weights, bucket),
+                 "model.load_state_dict(bucket)": lambda bucket: model.load_state_dict(bucket)}
+        for name, step in steps.items():
+            rounds = []
+            for version in range(20):
+                publisher.publish(sent, version=version)
+                with subscriber.next(timeout=5) as bucket:
                     start = time.perf_counter_ns()
-                    step()
+                    step(bucket)
                     rounds.append(time.perf_counter_ns() - start)
-                print(f"1000 x 1024 B parameters: {name} {median_us(rounds):.0f} us")
+            print(f"1000 x 1024 B parameters: {name} {median_us(rounds):.0f} us")
+
 
 if __name__ == "__main__":
     main()
