@@ -92,23 +92,31 @@ const void* storage_bytes(const at::Tensor& tensor) {
   return data == nullptr ? nullptr : data + impl.itemsize() * impl.storage_offset();
 }
 
-// target.copy_(source) for two tensors of one dtype and shape. A dense CPU pair whose bytes
-// are their values is copied with memmove, and the target's version bumped as copy_ does (so
-// autograd still sees the change): copy_'s dispatch took ~0.4 us a tensor, most of loading
-// 1000 small ones. Inference targets are refused beforehand outside InferenceMode, so the bump
-// cannot throw halfway. A __torch_dispatch__ target is given its own copy_.
+// Whether a target can take a memmove and a version bump instead of copy_: dense CPU memory
+// whose bytes are its values, and no __torch_dispatch__ (which would not see the write).
+bool takes_bytes(const at::Tensor& target) {
+  return target.is_cpu() && target.layout() == at::kStrided && plain_bytes(target) &&
+         !target.unsafeGetTensorImpl()->is_python_dispatch() && storage_bytes(target) != nullptr;
+}
+
+// Writes `bytes`, the row-major values of a tensor of target's dtype and shape, into target,
+// and bumps its version as copy_ does (so autograd still sees the change): copy_'s dispatch
+// took ~0.4 us a tensor, most of loading 1000 small ones. Inference targets are refused
+// beforehand outside InferenceMode, so the bump cannot throw halfway. The caller checked
+// takes_bytes(target).
+void write_bytes(const at::Tensor& target, const void* bytes) {
+  std::memmove(const_cast<void*>(storage_bytes(target)), bytes, target.nbytes());  // may alias
+  target.unsafeGetTensorImpl()->bump_version();
+}
+
+// target.copy_(source) for two tensors of one dtype and shape.
 void copy_into(const at::Tensor& target, const at::Tensor& source) {
   auto dense = [](const at::Tensor& t) { return t.is_cpu() && t.layout() == at::kStrided && plain_bytes(t); };
-  if (dense(target) && dense(source) && !target.unsafeGetTensorImpl()->is_python_dispatch()) {
-    auto* to = const_cast<void*>(storage_bytes(target));
-    const auto* from = storage_bytes(source);
-    if (to != nullptr && from != nullptr) {
-      std::memmove(to, from, target.nbytes());  // a source may alias its target
-      target.unsafeGetTensorImpl()->bump_version();
-      return;
-    }
+  if (takes_bytes(target) && dense(source) && storage_bytes(source) != nullptr) {
+    write_bytes(target, storage_bytes(source));
+  } else {
+    target.copy_(source);
   }
-  target.copy_(source);
 }
 
 // Whether tensors[i] has the name, dtype and shape of targets[i], for every i: what a server
@@ -125,6 +133,43 @@ bool lined_up(const NamedTensors& targets, const NamedTensors& tensors) {
     }
   }
   return true;
+}
+
+// The same for a bucket's entries.
+bool lined_up(const NamedTensors& targets, const Manifest& manifest) {
+  const auto& entries = manifest.entries;
+  if (targets.size() != entries.size()) return false;
+  for (std::size_t i = 0; i < targets.size(); ++i) {
+    const auto& [name, target] = targets[i];
+    if (entries[i].name != name || entries[i].dtype != dtype_of(target.scalar_type(), name) ||
+        target.sizes() != c10::IntArrayRef(entries[i].shape)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Refuses, naming them all, targets that cannot be loaded: copy_ into a meta tensor does
+// nothing (a module built on the meta device would seem loaded and still hold nothing), and
+// into an inference tensor outside InferenceMode it throws, which would leave the module half
+// loaded.
+void check_targets(const NamedTensors& targets) {
+  std::ostringstream empty, inference;
+  for (const auto& [name, target] : targets) {
+    if (!target.defined() || target.is_meta()) {
+      empty << (empty.tellp() == 0 ? "" : ", ") << Quoted{name};
+    } else if (target.is_inference() && !c10::InferenceMode::is_enabled()) {
+      inference << (inference.tellp() == 0 ? "" : ", ") << Quoted{name};
+    }
+  }
+  if (empty.tellp() != 0) {
+    fail(ErrorCode::Unmaterialized, "cannot load into ", empty.str(),
+         ": meta or undefined tensors have no memory; materialize the module first");
+  }
+  if (inference.tellp() != 0) {
+    fail(ErrorCode::InvalidArgument, "cannot load into ", inference.str(),
+         ": inference tensors can be written only in inference mode");
+  }
 }
 
 // The check pass chases pointers through each tensor's TensorImpl and StorageImpl, and 1000
@@ -163,6 +208,15 @@ at::Tensor view_of(const ManifestEntry& entry, std::span<const std::byte> bytes,
   tensor.unsafeGetTensorImpl()->set_sizes_contiguous(
       c10::IntArrayRef(entry.shape.data(), entry.shape.size()));
   return tensor;
+}
+
+// copy_into() from a bucket's entry, with a view made only for a target that needs copy_.
+void copy_into(const at::Tensor& target, const ManifestEntry& entry, std::span<const std::byte> bytes) {
+  if (takes_bytes(target)) {
+    write_bytes(target, bytes.data());
+  } else {
+    target.copy_(view_of(entry, bytes, nullptr));
+  }
 }
 
 NamedTensors views_of(const BucketView& view, const std::shared_ptr<const void>& keep_alive) {
@@ -322,25 +376,7 @@ Manifest manifest_of(const NamedTensors& tensors) {
 Manifest expected_manifest(const torch::nn::Module& module) { return manifest_of(named_tensors(module)); }
 
 void load_into(const NamedTensors& targets, const NamedTensors& tensors) {
-  // copy_ into a meta tensor does nothing: a module built on the meta device would seem
-  // loaded and still hold nothing. Into an inference tensor outside InferenceMode it throws,
-  // which would leave the module half loaded.
-  std::ostringstream empty, inference;
-  for (const auto& [name, target] : targets) {
-    if (!target.defined() || target.is_meta()) {
-      empty << (empty.tellp() == 0 ? "" : ", ") << Quoted{name};
-    } else if (target.is_inference() && !c10::InferenceMode::is_enabled()) {
-      inference << (inference.tellp() == 0 ? "" : ", ") << Quoted{name};
-    }
-  }
-  if (empty.tellp() != 0) {
-    fail(ErrorCode::Unmaterialized, "cannot load into ", empty.str(),
-         ": meta or undefined tensors have no memory; materialize the module first");
-  }
-  if (inference.tellp() != 0) {
-    fail(ErrorCode::InvalidArgument, "cannot load into ", inference.str(),
-         ": inference tensors can be written only in inference mode");
-  }
+  check_targets(targets);
   at::NoGradGuard no_grad;
   if (lined_up(targets, tensors)) {
     for (std::size_t i = 0; i < targets.size(); ++i) copy_into(targets[i].second, tensors[i].second);
@@ -352,8 +388,28 @@ void load_into(const NamedTensors& targets, const NamedTensors& tensors) {
   for (const auto& [name, target] : targets) copy_into(target, *by_name.at(name));
 }
 
+void load_into(const NamedTensors& targets, const BucketView& bucket) {
+  check_targets(targets);
+  const auto& manifest = bucket.manifest();
+  at::NoGradGuard no_grad;
+  if (lined_up(targets, manifest)) {
+    for (std::size_t i = 0; i < targets.size(); ++i) {
+      copy_into(targets[i].second, manifest.entries[i], bucket[i].bytes);
+    }
+    return;
+  }
+  check_expected(manifest, manifest_of(targets));  // throws before anything is copied
+  for (const auto& [name, target] : targets) {
+    auto i = *bucket.position(name);
+    copy_into(target, manifest.entries[i], bucket[i].bytes);
+  }
+}
+
 void load_into(torch::nn::Module& module, const NamedTensors& tensors) {
   load_into(named_tensors(module), tensors);
+}
+void load_into(torch::nn::Module& module, const BucketView& bucket) {
+  load_into(named_tensors(module), bucket);
 }
 
 }  // namespace tensorbucket::torch_bridge

@@ -459,6 +459,8 @@ class PyBucket {
   std::uint32_t bucket_index() const { return bucket_index_; }
   std::uint32_t bucket_count() const { return bucket_count_; }
   std::uint64_t sequence() const { return sequence_; }
+  // The received bucket, for readers of its bytes; InvalidArgument once released.
+  std::shared_ptr<const ReceivedBucket> received() const { return live(); }
   // Drops this handle's hold, and its views; tensors already taken keep the lease until they die.
   void release() {
     bucket_.reset();
@@ -547,6 +549,11 @@ void load_into(const py::object& module, const py::handle& tensors) {
                 "module must be a torch.nn.Module or its state_dict(keep_vars=True), not " + type_name(module));
   }
   auto targets = to_named(is_module ? module.attr("state_dict")(py::arg("keep_vars") = true) : module);
+  if (py::isinstance<PyBucket>(tensors)) {  // straight from its bytes: no view of each entry
+    auto bucket = tensors.cast<const PyBucket&>().received();
+    OutsideGil::run([&] { torch_bridge::load_into(targets, bucket->view()); });
+    return;
+  }
   auto sources = to_named(tensors);
   OutsideGil::run([&] { torch_bridge::load_into(targets, sources); });
 }

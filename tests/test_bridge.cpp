@@ -193,14 +193,25 @@ struct Net : torch::nn::Module {
   torch::nn::BatchNorm1d norm{nullptr};
 };
 
-TEST(TorchBridge, LoadIntoCopiesEveryParameterAndBuffer) {
+// load_into from tensors, and from a bucket's bytes (what a server does with each update):
+// the tests below run both ways.
+class LoadInto : public ::testing::TestWithParam<bool> {
+ protected:
+  template <class Targets>  // a module, or NamedTensors
+  void load(Targets& targets, const NamedTensors& sent) {
+    if (!GetParam()) return torch_bridge::load_into(targets, sent);
+    auto packed = torch_bridge::make_bucket(sent).builder.pack();
+    torch_bridge::load_into(targets, BucketView::open(packed.frame, packed.payload.span()));
+  }
+};
+INSTANTIATE_TEST_SUITE_P(TorchBridge, LoadInto, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "FromBytes" : "FromTensors"; });
+
+TEST_P(LoadInto, CopiesEveryParameterAndBuffer) {
   torch::manual_seed(2);
   Net trainer, server;
   auto sent = torch_bridge::named_tensors(trainer);
-  auto bucket = torch_bridge::make_bucket(sent);
-  auto packed = bucket.builder.pack();
-  auto view = BucketView::open(packed.frame, packed.payload.span());
-  torch_bridge::load_into(server, torch_bridge::tensors(view));
+  load(server, sent);
   for (const auto& [name, tensor] : torch_bridge::named_tensors(server)) {
     auto original = std::find_if(sent.begin(), sent.end(), [&](auto& p) { return p.first == name; });
     ASSERT_NE(original, sent.end()) << name;
@@ -223,13 +234,13 @@ TEST(TorchBridge, ADtypeTorchLacksIsRefusedNamingTheEntry) {
   EXPECT_NE(message.find("U16"), std::string::npos) << message;
 }
 
-TEST(TorchBridge, LoadIntoIsStrictAndCopiesNothingOnMismatch) {
+TEST_P(LoadInto, IsStrictAndCopiesNothingOnMismatch) {
   Net server;
   auto before = server.fc->weight.clone();
   NamedTensors wrong{{"fc.weight", torch::randn({4, 3})},   // shape differs
                      {"fc.bias", torch::randn({3}, at::kDouble)},  // dtype differs
                      {"extra", torch::randn({1})}};          // unexpected; the rest missing
-  auto message = expect_error(ErrorCode::ManifestMismatch, [&] { torch_bridge::load_into(server, wrong); });
+  auto message = expect_error(ErrorCode::ManifestMismatch, [&] { load(server, wrong); });
   for (const char* part : {"missing 'norm.weight'", "unexpected 'extra'", "'fc.weight' has shape",
                            "'fc.bias' has dtype F64"}) {
     EXPECT_NE(message.find(part), std::string::npos) << part << " not in: " << message;
@@ -240,7 +251,7 @@ TEST(TorchBridge, LoadIntoIsStrictAndCopiesNothingOnMismatch) {
 // Loading writes dense targets with memmove: it still bumps each target's version, as copy_ does,
 // so autograd refuses a backward through values that changed; and targets of any other kind,
 // or sent in another order, load all the same.
-TEST(TorchBridge, LoadIntoBumpsVersionsAndLoadsAnyTarget) {
+TEST_P(LoadInto, BumpsVersionsAndLoadsAnyTarget) {
   auto weight = torch::ones({2, 3}, torch::requires_grad());
   auto saved = (weight * weight).sum();  // keeps weight for its backward
   auto base = torch::zeros({3, 2});
@@ -252,7 +263,7 @@ TEST(TorchBridge, LoadIntoBumpsVersionsAndLoadsAnyTarget) {
                     {"transposed", torch::arange(6, torch::kFloat).reshape({2, 3})},
                     {"half", torch::full({2}, 5.0f)}};
   auto version = weight._version();
-  torch_bridge::load_into(targets, sent);
+  load(targets, sent);
   EXPECT_EQ(weight._version(), version + 1);
   EXPECT_THROW(saved.backward(), c10::Error);  // "modified by an inplace operation"
   for (std::size_t i = 0; i < targets.size(); ++i) {
@@ -263,7 +274,7 @@ TEST(TorchBridge, LoadIntoBumpsVersionsAndLoadsAnyTarget) {
 
   NamedTensors reversed(sent.rbegin(), sent.rend());
   for (auto& [name, tensor] : reversed) tensor = tensor + 1;
-  torch_bridge::load_into(targets, reversed);
+  load(targets, reversed);
   for (const auto& [name, tensor] : reversed) {
     auto target = std::find_if(targets.begin(), targets.end(), [&](auto& p) { return p.first == name; });
     EXPECT_TRUE(torch::equal(target->second, tensor)) << name;
@@ -272,7 +283,7 @@ TEST(TorchBridge, LoadIntoBumpsVersionsAndLoadsAnyTarget) {
 
 // copy_ into an inference tensor throws outside InferenceMode: partway through, it left the
 // module half loaded. Refused first now, naming them; inside InferenceMode they load.
-TEST(TorchBridge, LoadIntoInferenceTensorsOnlyInInferenceMode) {
+TEST_P(LoadInto, InferenceTensorsOnlyInInferenceMode) {
   auto normal = torch::zeros({2});
   at::Tensor inference;
   {
@@ -281,25 +292,25 @@ TEST(TorchBridge, LoadIntoInferenceTensorsOnlyInInferenceMode) {
   }
   NamedTensors targets{{"normal", normal}, {"inference", inference}};
   NamedTensors sent{{"normal", torch::ones({2})}, {"inference", torch::ones({2})}};
-  auto message = expect_error(ErrorCode::InvalidArgument, [&] { torch_bridge::load_into(targets, sent); });
+  auto message = expect_error(ErrorCode::InvalidArgument, [&] { load(targets, sent); });
   EXPECT_NE(message.find("'inference'"), std::string::npos) << message;
   EXPECT_TRUE(torch::equal(normal, torch::zeros({2})));
   {
     c10::InferenceMode mode;
-    torch_bridge::load_into(targets, sent);
+    load(targets, sent);
   }
   EXPECT_TRUE(torch::equal(normal, torch::ones({2})));
   EXPECT_TRUE(torch::equal(inference, torch::ones({2})));
 }
 
 // Before, the copy into a meta tensor did nothing and load_into returned as if it had loaded.
-TEST(TorchBridge, LoadIntoRefusesMetaTargetsAndCopiesNothing) {
+TEST_P(LoadInto, RefusesMetaTargetsAndCopiesNothing) {
   auto real = torch::zeros({2});
   NamedTensors targets{{"real", real},
                        {"meta.w", torch::empty({2, 2}, torch::TensorOptions().device(torch::kMeta))},
                        {"meta.b", torch::empty({2}, torch::TensorOptions().device(torch::kMeta))}};
   NamedTensors sent{{"real", torch::ones({2})}, {"meta.w", torch::ones({2, 2})}, {"meta.b", torch::ones({2})}};
-  auto message = expect_error(ErrorCode::Unmaterialized, [&] { torch_bridge::load_into(targets, sent); });
+  auto message = expect_error(ErrorCode::Unmaterialized, [&] { load(targets, sent); });
   EXPECT_NE(message.find("'meta.w', 'meta.b'"), std::string::npos) << message;
   EXPECT_TRUE(torch::equal(real, torch::zeros({2})));
 }

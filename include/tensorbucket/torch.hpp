@@ -93,5 +93,10 @@ void load_into(torch::nn::Module& module, const NamedTensors& tensors);
 // The same into `targets`, matched by name: a module's tensors gathered some other way (the
 // Python module passes a state_dict()).
 void load_into(const NamedTensors& targets, const NamedTensors& tensors);
+// The same from a bucket's bytes, without a view of each entry (the cost of loading a bucket
+// of many small tensors): `load_into(module, received.view())`. The bucket must stay open
+// during the call.
+void load_into(torch::nn::Module& module, const BucketView& bucket);
+void load_into(const NamedTensors& targets, const BucketView& bucket);
 
 }  // namespace tensorbucket::torch_bridge

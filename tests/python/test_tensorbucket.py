@@ -699,20 +699,28 @@ def test_load_into_a_state_dict_built_once(channel):
         publisher.publish(trainer.state_dict(), version=1)
         with subscriber.next() as bucket:
             tensorbucket.load_into(weights, bucket)
-    assert torch.equal(server.weight, trainer.weight) and torch.equal(server.bias, trainer.bias)
-    before = server.weight.clone()
-    with pytest.raises(tensorbucket.ManifestError, match="missing 'bias'"):
-        tensorbucket.load_into(weights, {"weight": torch.zeros(2, 3)})
-    assert torch.equal(server.weight, before)
+        assert torch.equal(server.weight, trainer.weight) and torch.equal(server.bias, trainer.bias)
+        before = server.weight.clone()
+        with pytest.raises(tensorbucket.ManifestError, match="missing 'bias'"):
+            tensorbucket.load_into(weights, {"weight": torch.zeros(2, 3)})
+        # A bucket is loaded from its bytes, as strictly.
+        publisher.publish({"weight": torch.zeros(2, 3), "extra": torch.ones(1)}, version=2)
+        with subscriber.next() as bucket:
+            with pytest.raises(tensorbucket.ManifestError, match="missing 'bias'.*unexpected 'extra'"):
+                tensorbucket.load_into(weights, bucket)
+        assert torch.equal(server.weight, before)
+        with pytest.raises(tensorbucket.Error, match="bucket was released"):
+            tensorbucket.load_into(weights, bucket)
     for not_a_model in (42, [("weight", server.weight)]):
         with pytest.raises(tensorbucket.Error, match="module must be a torch.nn.Module or its "
                                                      r"state_dict\(keep_vars=True\), not (int|list)"):
             tensorbucket.load_into(not_a_model, {"weight": torch.zeros(2, 3)})
 
 
-def test_load_into_a_torch_dispatch_target_goes_through_its_copy():
+@pytest.mark.parametrize("source", ["dict", "bucket"])
+def test_load_into_a_torch_dispatch_target_goes_through_its_copy(channel, source):
     """Plain tensors are loaded with a memmove; a subclass that handles its own ops is not
-    bypassed."""
+    bypassed, whether it loads from tensors or from a bucket's bytes."""
     class Recording(torch.Tensor):
         copies = 0
 
@@ -726,7 +734,13 @@ def test_load_into_a_torch_dispatch_target_goes_through_its_copy():
     base = torch.zeros(3)
     target = Recording._make_subclass(Recording, base)
     target.base = base
-    tensorbucket.load_into({"w": target}, {"w": torch.ones(3)})
+    if source == "dict":
+        tensorbucket.load_into({"w": target}, {"w": torch.ones(3)})
+    else:
+        with tensorbucket.Publisher(channel) as publisher, tensorbucket.Subscriber(channel) as subscriber:
+            publisher.publish({"w": torch.ones(3)})
+            with subscriber.next() as bucket:
+                tensorbucket.load_into({"w": target}, bucket)
     assert Recording.copies == 1
     assert torch.equal(base, torch.ones(3))
 
