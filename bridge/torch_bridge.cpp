@@ -92,11 +92,16 @@ const void* storage_bytes(const at::Tensor& tensor) {
   return data == nullptr ? nullptr : data + impl.itemsize() * impl.storage_offset();
 }
 
-// Whether a target can take a memmove and a version bump instead of copy_: dense CPU memory
-// whose bytes are its values, and no __torch_dispatch__ (which would not see the write).
+// A tensor's bytes when they are its values in CPU memory, readable as they are; else null.
+const void* dense_bytes(const at::Tensor& tensor) {
+  bool dense = tensor.is_cpu() && tensor.layout() == at::kStrided && plain_bytes(tensor);
+  return dense ? storage_bytes(tensor) : nullptr;
+}
+
+// Whether a target can take a memmove and a version bump instead of copy_: dense, and no
+// __torch_dispatch__ (which would not see the write).
 bool takes_bytes(const at::Tensor& target) {
-  return target.is_cpu() && target.layout() == at::kStrided && plain_bytes(target) &&
-         !target.unsafeGetTensorImpl()->is_python_dispatch() && storage_bytes(target) != nullptr;
+  return dense_bytes(target) != nullptr && !target.unsafeGetTensorImpl()->is_python_dispatch();
 }
 
 // Writes `bytes`, the row-major values of a tensor of target's dtype and shape, into target,
@@ -111,9 +116,9 @@ void write_bytes(const at::Tensor& target, const void* bytes) {
 
 // target.copy_(source) for two tensors of one dtype and shape.
 void copy_into(const at::Tensor& target, const at::Tensor& source) {
-  auto dense = [](const at::Tensor& t) { return t.is_cpu() && t.layout() == at::kStrided && plain_bytes(t); };
-  if (takes_bytes(target) && dense(source) && storage_bytes(source) != nullptr) {
-    write_bytes(target, storage_bytes(source));
+  const auto* bytes = dense_bytes(source);
+  if (bytes != nullptr && takes_bytes(target)) {
+    write_bytes(target, bytes);
   } else {
     target.copy_(source);
   }
