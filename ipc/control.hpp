@@ -2,19 +2,33 @@
 //
 // It lives in the control segment, fixed-size and trivially copyable; every field that more
 // than one process writes is accessed through std::atomic_ref (never plain), and each word is
-// small enough that a crash cannot tear it. The protocol, in one place:
+// small enough that a crash cannot tear it. Every process that maps it can write all of it, so
+// whatever is read from it is checked before use (docs/channel.md, "Hostile peers"), and the
+// producer never reads back what it wrote: it keeps its own copy. The protocol, in one place
+// (docs/channel.md argues it case by case):
 //
 // - Bucket b always goes to slot b % slot_count. A slot's `generation` is a seqlock word:
 //   0 = never written, 2(b+1) = holds published bucket b, odd = the producer is rewriting it.
-// - A consumer takes a lease on slot s by setting bit s of its `held_slots`, then re-reading
-//   the generation; the producer claims a slot by making its generation odd, then reading every
-//   consumer's `held_slots` and `next_bucket`. Both sides use seq_cst for that store-then-load
-//   pair, so at least one sees the other and backs off (the producer reverts the generation).
-// - The producer reuses a slot holding bucket b only when every live registered consumer has
-//   next_bucket > b and no lease on it, and release_count >= min_consumers.
+// - Liveness is a lock the kernel holds for a process (liveness.hpp): byte 0 of the control
+//   segment for the producer, byte 1 + r for the consumer of record r.
+// - A consumer record belongs to whoever holds its lock byte. Its `claim` word names the
+//   owner (a token unique to one attach) and, in the same word, the owner's leases. A record
+//   changes owner only by compare-and-swap of the whole word: an attacher, holding the lock
+//   byte, swaps the exact word it read (free, or a dead owner's) for its own; the producer
+//   frees a blocking record only by swapping the exact word it judged dead for 0. A consumer
+//   changes its leases by compare-and-swap too, so it notices a record taken from it.
+// - A consumer takes a lease on slot s by setting its bit s, then re-reading the generation;
+//   the producer claims a slot by making its generation odd, then reading every record. Both
+//   sides use seq_cst for that store-then-load pair, so at least one sees the other and backs
+//   off (the producer reverts the generation).
+// - The producer reuses a slot holding bucket b only when every record whose owner is alive
+//   has next_bucket > b and no lease on it, and release_count >= min_consumers. An attacher
+//   sets next_bucket to 0 before it claims, so it blocks every reuse until it has chosen
+//   where to start.
 // - Who reclaims what: a dead consumer's record (and leases) is freed by the producer when it
-//   next waits; a dead producer leaves its segments, which the next producer of the same name
-//   removes; consumers drain what was published and then report ProducerGone.
+//   blocks a slot, or taken over by the next attacher; a dead producer leaves its segments,
+//   which the next producer of the same name removes; consumers drain what was published and
+//   then report ProducerGone.
 #pragma once
 
 #include <atomic>
@@ -25,17 +39,27 @@
 #include <type_traits>
 
 #include "futex.hpp"
-#include "process.hpp"
 
 namespace tensorbucket::ipc {
 
 inline constexpr std::uint32_t kControlMagic = 0x4C434254;  // "TBCL" in memory order
-inline constexpr std::uint16_t kControlLayoutVersion = 2;
+inline constexpr std::uint16_t kControlLayoutVersion = 3;
 inline constexpr std::uint32_t kMaxSlots = 16;
 inline constexpr std::uint32_t kMaxConsumers = 64;
 inline constexpr std::size_t kMaxChannelName = 64;
 
-enum ConsumerState : std::uint32_t { kFree = 0, kClaimed = 1, kActive = 2 };
+// A record's `claim` word: the owner's token in the high 48 bits (0: free), its leases in the
+// low 16 (bit s: a lease on slot s), so that the owner and its leases change together.
+inline constexpr int kLeaseBits = 16;
+static_assert(kMaxSlots <= kLeaseBits);
+inline constexpr std::uint64_t kTokenLimit = std::uint64_t{1} << (64 - kLeaseBits);
+constexpr std::uint64_t claim_token(std::uint64_t claim) { return claim >> kLeaseBits; }
+constexpr std::uint32_t claim_leases(std::uint64_t claim) {
+  return static_cast<std::uint32_t>(claim & ((std::uint64_t{1} << kLeaseBits) - 1));
+}
+constexpr std::uint64_t make_claim(std::uint64_t token, std::uint32_t leases) {
+  return token << kLeaseBits | leases;
+}
 
 struct alignas(64) SlotControl {
   std::uint64_t generation;       // seqlock word, see above
@@ -49,23 +73,31 @@ struct alignas(64) SlotControl {
   std::uint32_t reserved;
 };
 
+// Who a process is, for people (inspect, messages), never for liveness: a pid and the pid
+// namespace it is a pid in (the inode of /proc/self/ns/pid; 0 when unknown).
+struct ProcessLabel {
+  std::int32_t pid;
+  std::uint32_t reserved;
+  std::uint64_t pid_namespace;
+};
+
 struct alignas(64) ConsumerRecord {
-  std::uint32_t state;       // ConsumerState
-  std::uint32_t held_slots;  // bit s: this consumer holds a lease on slot s
-  ProcessId process;
-  std::uint64_t next_bucket; // the next bucket this consumer will read
+  std::uint64_t claim;        // owner token and leases, see claim_token()
+  std::uint64_t next_bucket;  // the next bucket this consumer will read
+  ProcessLabel process;
 };
 
 struct ControlBlock {
   std::uint32_t magic;  // written last by the producer: the block is ready once it matches
   std::uint16_t layout_version;
   std::uint16_t slot_count;
-  std::uint32_t max_consumers;
-  std::uint32_t min_consumers;
-  std::uint32_t payload_checksum;
-  std::uint32_t closed;         // 1 once the producer closed the channel
-  ProcessId producer;
+  std::uint16_t max_consumers;
+  std::uint16_t min_consumers;
+  std::uint16_t payload_checksum;
+  std::uint16_t closed;         // 1 once the producer closed the channel
+  ProcessLabel producer;
   std::uint64_t published;      // buckets published so far
+  std::uint64_t claims;         // attaches so far: the next one's token is claims + 1
   WaitWord consumer_wake;       // bumped on claim, publish and close
   WaitWord producer_wake;       // bumped on release, attach and detach
   SlotControl slots[kMaxSlots];
@@ -75,6 +107,7 @@ struct ControlBlock {
 static_assert(std::is_trivially_copyable_v<ControlBlock>);
 static_assert(std::is_standard_layout_v<ControlBlock>);
 static_assert(offsetof(ControlBlock, layout_version) == 4);
+static_assert(offsetof(ControlBlock, producer) == 16);
 static_assert(sizeof(SlotControl) == 64 && sizeof(ConsumerRecord) == 64);
 static_assert(offsetof(ControlBlock, slots) == 64);
 static_assert(sizeof(ControlBlock) == 64 + kMaxSlots * 64 + kMaxConsumers * 64);
@@ -85,15 +118,15 @@ std::atomic_ref<T> atomic(T& field) {
   return std::atomic_ref<T>(field);
 }
 
-// A ProcessId in shared memory, read or written field by field (each field atomically): the
-// writer stores start_time first and pid last, so a reader that sees a pid sees its start time.
-inline ProcessId load_process(ProcessId& shared) {
-  auto pid = atomic(shared.pid).load(std::memory_order_acquire);
-  return {pid, 0, atomic(shared.start_time).load(std::memory_order_relaxed)};
+// This process's label, and one read from shared memory field by field.
+ProcessLabel this_process();
+inline ProcessLabel load_label(ProcessLabel& shared) {
+  return {atomic(shared.pid).load(std::memory_order_relaxed), 0,
+          atomic(shared.pid_namespace).load(std::memory_order_relaxed)};
 }
-inline void store_process(ProcessId& shared, const ProcessId& value) {
-  atomic(shared.start_time).store(value.start_time, std::memory_order_relaxed);
-  atomic(shared.pid).store(value.pid, std::memory_order_release);
+inline void store_label(ProcessLabel& shared, const ProcessLabel& value) {
+  atomic(shared.pid).store(value.pid, std::memory_order_relaxed);
+  atomic(shared.pid_namespace).store(value.pid_namespace, std::memory_order_relaxed);
 }
 
 // Names under /dev/shm. Channel names are [A-Za-z0-9._-]{1,64}, not starting with a dot.

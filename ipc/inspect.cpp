@@ -2,6 +2,8 @@
 #include <cstring>
 
 #include "control.hpp"
+#include "liveness.hpp"
+#include "process.hpp"
 #include "segment.hpp"
 #include "serialize/text.hpp"
 #include "tensorbucket/channel.hpp"
@@ -15,18 +17,19 @@ namespace {
 std::optional<Manifest> read_manifest(std::string_view channel, std::uint32_t s,
                                       ipc::SlotControl& slot) {
   auto generation = ipc::atomic(slot.generation).load(std::memory_order_acquire);
-  auto segment_bytes = slot.segment_bytes;
-  auto payload_capacity = slot.payload_capacity;
-  auto frame_bytes = slot.frame_bytes;
-  if (payload_capacity > segment_bytes || frame_bytes > segment_bytes - payload_capacity) {
+  auto epoch = ipc::atomic(slot.segment_epoch).load(std::memory_order_relaxed);
+  auto payload_capacity = ipc::atomic(slot.payload_capacity).load(std::memory_order_relaxed);
+  auto frame_bytes = ipc::atomic(slot.frame_bytes).load(std::memory_order_relaxed);
+  auto segment = ipc::Segment::open(ipc::slot_segment_name(channel, s, epoch), 0, false);
+  // Checked against the mapping we hold, not against sizes anyone could have written.
+  if (!segment || payload_capacity > segment->size() || frame_bytes > segment->size() - payload_capacity) {
     return std::nullopt;
   }
-  auto segment = ipc::Segment::open(ipc::slot_segment_name(channel, s, slot.segment_epoch),
-                                    segment_bytes, false);
-  if (!segment) return std::nullopt;
   std::vector<std::byte> frame(frame_bytes);
   std::memcpy(frame.data(), segment->data() + payload_capacity, frame_bytes);
-  if (ipc::atomic(slot.generation).load(std::memory_order_acquire) != generation) return std::nullopt;
+  if (ipc::atomic(slot.generation).load(std::memory_order_acquire) != generation || segment->damaged()) {
+    return std::nullopt;
+  }
   try {
     auto header = read_header(frame);
     return decode_manifest(manifest_bytes(header, frame));
@@ -49,12 +52,17 @@ ChannelInfo inspect_channel(std::string_view channel) {
   info.channel = channel;
   info.control_segment = name;
   info.slots = std::min<std::uint32_t>(control->slot_count, ipc::kMaxSlots);
-  info.max_consumers = std::min(control->max_consumers, ipc::kMaxConsumers);
+  info.max_consumers = std::min<std::uint32_t>(control->max_consumers, ipc::kMaxConsumers);
   info.min_consumers = control->min_consumers;
   info.payload_checksum = control->payload_checksum != 0;
-  auto producer = ipc::load_process(control->producer);
+  auto ours = ipc::pid_namespace();
+  auto elsewhere = [&](const ipc::ProcessLabel& label) {
+    return label.pid_namespace != 0 && ours != 0 && label.pid_namespace != ours;
+  };
+  auto producer = ipc::load_label(control->producer);
   info.producer_pid = producer.pid;
-  info.producer_alive = ipc::is_alive(producer);
+  info.producer_pid_elsewhere = elsewhere(producer);
+  info.producer_alive = ipc::held_by_other(segment->descriptor(), ipc::kProducerLockByte);
   info.closed = ipc::atomic(control->closed).load(std::memory_order_acquire) != 0;
   info.published = ipc::atomic(control->published).load(std::memory_order_acquire);
 
@@ -65,19 +73,21 @@ ChannelInfo inspect_channel(std::string_view channel) {
     state.generation = ipc::atomic(slot.generation).load(std::memory_order_acquire);
     if (state.generation != 0 && state.generation % 2 == 0) state.bucket = state.generation / 2 - 1;
     state.release_count = ipc::atomic(slot.release_count).load(std::memory_order_relaxed);
-    if (slot.segment_epoch != 0) state.segment = ipc::slot_segment_name(channel, s, slot.segment_epoch);
-    state.segment_bytes = slot.segment_bytes;
+    auto epoch = ipc::atomic(slot.segment_epoch).load(std::memory_order_relaxed);
+    if (epoch != 0) state.segment = ipc::slot_segment_name(channel, s, epoch);
+    state.segment_bytes = ipc::atomic(slot.segment_bytes).load(std::memory_order_relaxed);
     if (state.bucket && (!newest || *state.bucket > *info.slot_states[*newest].bucket)) newest = s;
     info.slot_states.push_back(state);
   }
   for (std::uint32_t r = 0; r < info.max_consumers; ++r) {
     auto& record = control->consumers[r];
-    auto state = ipc::atomic(record.state).load(std::memory_order_acquire);
-    if (state == ipc::kFree) continue;
-    auto process = ipc::load_process(record.process);
-    info.consumers.push_back({r, process.pid, ipc::is_alive(process), state == ipc::kClaimed,
+    auto claim = ipc::atomic(record.claim).load(std::memory_order_acquire);
+    if (ipc::claim_token(claim) == 0) continue;
+    auto process = ipc::load_label(record.process);
+    info.consumers.push_back({r, process.pid, elsewhere(process),
+                              ipc::held_by_other(segment->descriptor(), ipc::consumer_lock_byte(r)),
                               ipc::atomic(record.next_bucket).load(std::memory_order_relaxed),
-                              ipc::atomic(record.held_slots).load(std::memory_order_relaxed)});
+                              ipc::claim_leases(claim)});
   }
   if (newest) info.newest_manifest = read_manifest(channel, *newest, control->slots[*newest]);
   return info;

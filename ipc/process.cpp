@@ -1,47 +1,14 @@
 #include "process.hpp"
 
 #include <pthread.h>
-#include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
-#include <cerrno>
-#include <fstream>
-#include <sstream>
-#include <string>
+
+#include "control.hpp"
 
 namespace tensorbucket::ipc {
-namespace {
-
-struct StatFields {
-  char state = '?';
-  std::uint64_t start_time = 0;
-};
-
-// Fields after the command name, which sits in parentheses and may itself contain spaces or
-// parentheses: parse from the last ')'.
-bool read_stat(std::int32_t pid, StatFields& fields) {
-  std::ifstream file("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(file, line)) return false;
-  auto close = line.rfind(')');
-  if (close == std::string::npos) return false;
-  std::istringstream rest(line.substr(close + 1));
-  rest >> fields.state;  // field 3
-  std::string skip;
-  for (int field = 4; field < 22; ++field) rest >> skip;
-  rest >> fields.start_time;  // field 22
-  return static_cast<bool>(rest);
-}
-
-}  // namespace
-
-ProcessId current_process() {
-  ProcessId id{static_cast<std::int32_t>(::getpid()), 0, 0};
-  StatFields fields;
-  if (read_stat(id.pid, fields)) id.start_time = fields.start_time;
-  return id;
-}
 
 namespace {
 std::atomic<std::uint64_t> forks_seen{0};  // in this process and its ancestors
@@ -56,12 +23,14 @@ Owner::Owner() : pid_(static_cast<std::int32_t>(::getpid())) {
 
 bool Owner::forked() const noexcept { return forks_seen.load(std::memory_order_relaxed) != forks_; }
 
-bool is_alive(const ProcessId& id) {
-  if (id.pid <= 0) return false;
-  if (::kill(id.pid, 0) != 0 && errno != EPERM) return false;
-  StatFields fields;
-  if (!read_stat(id.pid, fields)) return false;
-  return fields.start_time == id.start_time && fields.state != 'Z' && fields.state != 'X';
+std::uint64_t pid_namespace() {
+  struct stat status {};
+  if (::stat("/proc/self/ns/pid", &status) != 0) return 0;
+  return status.st_ino;
+}
+
+ProcessLabel this_process() {
+  return {static_cast<std::int32_t>(::getpid()), 0, pid_namespace()};
 }
 
 }  // namespace tensorbucket::ipc

@@ -1,22 +1,9 @@
-// Internal: who a process is, in a form that survives pid reuse.
+// Internal: which process a channel handle belongs to.
 #pragma once
 
 #include <cstdint>
 
 namespace tensorbucket::ipc {
-
-// A pid alone is not an identity: pids are reused. The kernel's start time of the process
-// (in clock ticks since boot, /proc/<pid>/stat field 22) tells a reused pid apart.
-struct ProcessId {
-  std::int32_t pid;
-  std::uint32_t reserved;
-  std::uint64_t start_time;
-};
-
-ProcessId current_process();
-
-// True while the process `id` names still runs (a zombie counts as gone).
-bool is_alive(const ProcessId& id);
 
 // The process a channel handle was made in. A child forked from it inherits the handle but
 // not its role (docs/channel.md, "Forked children"), and handles ask on every call. getpid()
@@ -33,5 +20,9 @@ class Owner {
   std::int32_t pid_;
   std::uint64_t forks_;  // the counter when this was made
 };
+
+// The inode of this process's pid namespace (/proc/self/ns/pid), which tells whether a pid
+// another process wrote down is one we can see; 0 when /proc does not say.
+std::uint64_t pid_namespace();
 
 }  // namespace tensorbucket::ipc

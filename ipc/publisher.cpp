@@ -1,5 +1,5 @@
 // The producer side of a channel. See ipc/control.hpp for the protocol and docs/channel.md
-// for the crash cases.
+// for the crash cases and what a hostile peer can do.
 #include <unistd.h>
 
 #include <algorithm>
@@ -8,11 +8,14 @@
 
 #include "control.hpp"
 #include "futex.hpp"
+#include "liveness.hpp"
+#include "process.hpp"
 #include "segment.hpp"
 #include "serialize/copy.hpp"
 #include "serialize/identity.hpp"
 #include "serialize/text.hpp"
 #include "tensorbucket/channel.hpp"
+#include "test_hooks.hpp"
 
 namespace tensorbucket {
 
@@ -25,22 +28,51 @@ constexpr std::uint64_t kPageBytes = 4096;
 constexpr std::uint64_t kMinFrameCapacity = 64 * 1024;
 // Longest single futex sleep, so liveness and deadlines are rechecked that often.
 constexpr auto kWaitSlice = std::chrono::milliseconds(10);
+// Producers racing for one name each win or lose in one or two rounds; more rounds mean
+// someone keeps creating and removing it.
+constexpr int kNameRounds = 16;
 
 std::uint64_t round_up(std::uint64_t bytes, std::uint64_t to) { return (bytes + to - 1) / to * to; }
 
+// Generation 2(b+1) holds bucket b.
+std::uint64_t bucket_in(std::uint64_t generation) { return generation / 2 - 1; }
+
 using Clock = std::chrono::steady_clock;
+
+// "pid 123", or "pid 123 (in another pid namespace)" when it is not one of ours.
+std::string describe(const ipc::ProcessLabel& process) {
+  std::string text = "pid " + std::to_string(process.pid);
+  auto ours = ipc::pid_namespace();
+  if (process.pid_namespace != 0 && ours != 0 && process.pid_namespace != ours) {
+    text += " (in another pid namespace)";
+  }
+  return text;
+}
 
 }  // namespace
 
 struct detail::PublisherState {
+  // What this producer wrote into a slot's SlotControl, kept here: shared memory is read back
+  // by nobody's word, since any consumer can write it.
+  struct Slot {
+    std::optional<ipc::Segment> segment;
+    std::uint64_t generation = 0;  // 0 or 2(b+1), as last published
+    std::uint64_t epoch = 0;
+    std::uint64_t payload_capacity = 0;
+    std::uint64_t frame_capacity = 0;
+    std::uint64_t frame_bytes = 0;
+  };
+
   std::string channel;
   PublisherOptions options;
   ipc::Segment control_segment;
   ipc::ControlBlock* control;
-  std::vector<std::optional<ipc::Segment>> slot_segments;
-  std::vector<std::uint64_t> slot_generation;  // what this producer last stored per slot
-  std::vector<std::uint64_t> frame_encoding;   // per slot: the encoding_id_ its frame holds, or 0
+  std::vector<Slot> slots;
   std::uint64_t published = 0;
+  // The open bucket's header, begun when its manifest was written: it hashes the manifest
+  // this producer meant, not the bytes in the slot, which a peer may have changed since.
+  BucketHeader header{};
+  std::string waiting_for;  // see Publisher::waiting_for()
   bool reservation_open = false;
   bool closed = false;
   ipc::Owner owner;
@@ -50,11 +82,12 @@ struct detail::PublisherState {
         options(opts),
         control_segment(std::move(segment)),
         control(reinterpret_cast<ipc::ControlBlock*>(control_segment.data())),
-        slot_segments(opts.slots),
-        slot_generation(opts.slots, 0),
-        frame_encoding(opts.slots, 0) {}
+        slots(opts.slots) {}
 
-  ipc::SlotControl& slot(std::uint32_t s) { return control->slots[s]; }
+  std::uint32_t slot_of(std::uint64_t bucket) const {
+    return static_cast<std::uint32_t>(bucket % options.slots);
+  }
+  ipc::SlotControl& shared_slot(std::uint32_t s) { return control->slots[s]; }
 
   // A child forked from the producer inherits this handle, but the channel stays the
   // parent's: the child may not publish on it, and its exit (which may close the handle) must
@@ -67,33 +100,40 @@ struct detail::PublisherState {
     }
   }
 
-  void reclaim(ipc::ConsumerRecord& record) {
-    ipc::atomic(record.held_slots).store(0, std::memory_order_seq_cst);
-    ipc::atomic(record.state).store(ipc::kFree, std::memory_order_release);
+  void refuse_if_control_damaged() const {
+    if (control_segment.damaged()) {
+      fail(ErrorCode::SystemError, "the control segment of channel ", Quoted{channel},
+           " was truncated by another process; the channel cannot go on");
+    }
   }
 
-  // True when no live consumer still needs `bucket` in slot `s`. Dead consumers met on the
-  // way are reclaimed: checking liveness only for consumers that block keeps the fast path
-  // free of /proc reads.
+  // True when no live consumer still needs `bucket` in slot `s`. The records that block it
+  // are checked for liveness (a lock test, ~0.5 us: only for those, so the fast path makes no
+  // system call); a dead one's record is freed, by compare-and-swap of the exact word judged
+  // dead, so a record an attacher took over meanwhile is left alone. When false,
+  // `waiting_for` says who blocks.
   bool slot_releasable(std::uint32_t s, std::uint64_t bucket) {
-    if (ipc::atomic(slot(s).release_count).load(std::memory_order_acquire) <
-        options.min_consumers) {
+    auto releases = ipc::atomic(shared_slot(s).release_count).load(std::memory_order_acquire);
+    if (releases < options.min_consumers) {
+      waiting_for = std::to_string(releases) + " of the " + std::to_string(options.min_consumers) +
+                    " releases of bucket " + std::to_string(bucket) +
+                    " that min_consumers asks for (no consumer attached has released it yet)";
       return false;
     }
     for (std::uint32_t r = 0; r < options.max_consumers; ++r) {
       auto& record = control->consumers[r];
-      auto state = ipc::atomic(record.state).load(std::memory_order_seq_cst);
-      if (state == ipc::kFree) continue;
-      bool blocks = state == ipc::kClaimed ||
-                    ipc::atomic(record.next_bucket).load(std::memory_order_seq_cst) <= bucket ||
-                    (ipc::atomic(record.held_slots).load(std::memory_order_seq_cst) & (1u << s));
-      if (!blocks) continue;
-      auto process = ipc::load_process(record.process);
-      // A claimed record without a pid is a consumer between its two attach steps.
-      if (process.pid != 0 && !ipc::is_alive(process)) {
-        reclaim(record);
+      auto claim = ipc::atomic(record.claim).load(std::memory_order_seq_cst);
+      if (ipc::claim_token(claim) == 0) continue;
+      bool leased = (ipc::claim_leases(claim) & (1u << s)) != 0;
+      auto next_bucket = ipc::atomic(record.next_bucket).load(std::memory_order_seq_cst);
+      if (!leased && next_bucket > bucket) continue;
+      if (!ipc::held_by_other(control_segment.descriptor(), ipc::consumer_lock_byte(r)) &&
+          ipc::atomic(record.claim).compare_exchange_strong(claim, 0, std::memory_order_seq_cst)) {
         continue;
       }
+      waiting_for = "consumer " + describe(ipc::load_label(record.process)) + " (record " +
+                    std::to_string(r) + "), which " +
+                    (leased ? "still holds bucket " : "has not read bucket ") + std::to_string(bucket);
       return false;
     }
     return true;
@@ -102,17 +142,19 @@ struct detail::PublisherState {
   // Makes slot `bucket % slots` ours (generation odd), waiting until its old bucket is
   // releasable. False at the deadline.
   bool claim(std::uint64_t bucket, Clock::time_point deadline) {
-    auto s = static_cast<std::uint32_t>(bucket % options.slots);
-    auto current = slot_generation[s];
-    auto& generation = slot(s).generation;
+    auto s = slot_of(bucket);
+    auto current = slots[s].generation;
+    auto& generation = shared_slot(s).generation;
     for (;;) {
+      refuse_if_control_damaged();
       auto wake = ipc::wake_count(control->producer_wake);
-      if (current == 0 || slot_releasable(s, current / 2 - 1)) {
+      if (current == 0 || slot_releasable(s, bucket_in(current))) {
         // Claim, then look again: a consumer may have taken a lease between the two. It sets
         // its bit then reads the generation; we write the generation then read the bits.
         ipc::atomic(generation).store(current + 1, std::memory_order_seq_cst);
-        if (current == 0 || slot_releasable(s, current / 2 - 1)) {
-          ipc::atomic(slot(s).release_count).store(0, std::memory_order_relaxed);
+        if (current == 0 || slot_releasable(s, bucket_in(current))) {
+          ipc::atomic(shared_slot(s).release_count).store(0, std::memory_order_relaxed);
+          waiting_for.clear();
           return true;
         }
         ipc::atomic(generation).store(current, std::memory_order_seq_cst);
@@ -125,48 +167,73 @@ struct detail::PublisherState {
     }
   }
 
-  // The slot's segment, grown (as a new segment under the next epoch) when it cannot hold
-  // `payload_bytes` + `frame_bytes`. Only called while the slot is claimed.
+  // The slot's segment, replaced (a new segment under the next epoch) when it cannot hold
+  // `payload_bytes` + `frame_bytes`, or was truncated under us. Only called while the slot
+  // is claimed.
   ipc::Segment& segment_for(std::uint32_t s, std::uint64_t payload_bytes, std::uint64_t frame_bytes) {
-    auto& control_slot = slot(s);
-    auto& segment = slot_segments[s];
-    auto payload_capacity = control_slot.payload_capacity;
-    auto frame_capacity = control_slot.segment_bytes - payload_capacity;
-    if (segment && payload_bytes <= payload_capacity && frame_bytes <= frame_capacity) {
-      return *segment;
+    auto& slot = slots[s];
+    if (slot.segment && !slot.segment->damaged() && payload_bytes <= slot.payload_capacity &&
+        frame_bytes <= slot.frame_capacity) {
+      return *slot.segment;
     }
-    payload_capacity = round_up(std::max(payload_bytes, payload_capacity), kPageBytes);
-    frame_capacity = round_up(std::max({frame_bytes, frame_capacity, kMinFrameCapacity}), kPageBytes);
-    auto old_epoch = control_slot.segment_epoch;
-    auto epoch = old_epoch + 1;
-    auto grown = ipc::Segment::create(ipc::slot_segment_name(channel, s, epoch),
-                                      payload_capacity + frame_capacity, options.mode);
-    control_slot.segment_epoch = epoch;
-    control_slot.segment_bytes = payload_capacity + frame_capacity;
-    control_slot.payload_capacity = payload_capacity;
-    if (old_epoch != 0) ipc::Segment::remove(ipc::slot_segment_name(channel, s, old_epoch));
-    segment = std::move(grown);
-    frame_encoding[s] = 0;
-    return *segment;
+    auto payload_capacity = round_up(std::max(payload_bytes, slot.payload_capacity), kPageBytes);
+    auto frame_capacity =
+        round_up(std::max({frame_bytes, slot.frame_capacity, kMinFrameCapacity}), kPageBytes);
+    auto epoch = slot.epoch + 1;
+    auto name = ipc::slot_segment_name(channel, s, epoch);
+    auto grown = [&] {
+      try {
+        return ipc::Segment::create(name, payload_capacity + frame_capacity, options.mode);
+      } catch (const Error& e) {
+        // A dead producer's leftover the stale cleanup missed: the name is ours now.
+        if (e.code() != ErrorCode::ChannelExists) throw;
+        ipc::Segment::remove(name);
+        return ipc::Segment::create(name, payload_capacity + frame_capacity, options.mode);
+      }
+    }();
+    auto& shared = shared_slot(s);
+    shared.segment_epoch = epoch;
+    shared.segment_bytes = payload_capacity + frame_capacity;
+    shared.payload_capacity = payload_capacity;
+    if (slot.epoch != 0) ipc::Segment::remove(ipc::slot_segment_name(channel, s, slot.epoch));
+    slot.segment = std::move(grown);
+    slot.epoch = epoch;
+    slot.payload_capacity = payload_capacity;
+    slot.frame_capacity = frame_capacity;
+    return *slot.segment;
   }
 
-  // Writes the header, binding the manifest begin() wrote to the payload, and publishes the
-  // claimed slot.
-  void finish(std::uint64_t bucket, std::uint64_t payload_bytes) {
-    auto s = static_cast<std::uint32_t>(bucket % options.slots);
-    auto& control_slot = slot(s);
-    auto* base = slot_segments[s]->data();
-    auto* frame = base + control_slot.payload_capacity;
-    std::span<const std::byte> manifest_bytes{frame + sizeof(BucketHeader),
-                                              control_slot.frame_bytes - sizeof(BucketHeader)};
-    auto header = make_header(manifest_bytes, {base, payload_bytes},
-                              {.payload_checksum = options.payload_checksum});
-    std::memcpy(frame, &header, sizeof header);
+  // A producer resends its layout every step, so the slot's frame usually holds it already but
+  // for the identity fields at its front: writing only the bytes that differ leaves the rest
+  // (~60 bytes an entry) in the consumers' caches, where they read it to verify the next
+  // bucket. Compared every time, never assumed: another process may have written there.
+  static void write_manifest(std::byte* to, std::span<const std::byte> manifest_bytes) {
+    auto front = std::min(manifest_bytes.size(), detail::kIdentityEnd);
+    std::memcpy(to, manifest_bytes.data(), front);
+    auto rest = manifest_bytes.subspan(front);
+    if (std::memcmp(to + front, rest.data(), rest.size()) != 0) std::memcpy(to + front, rest.data(), rest.size());
+  }
 
-    control_slot.published_ns = ipc::monotonic_ns();
+  // Writes the header and publishes the claimed slot: the bucket's bytes are in place.
+  void finish(std::uint64_t bucket, std::uint64_t payload_bytes) {
+    auto s = slot_of(bucket);
+    auto& slot = slots[s];
+    auto* base = slot.segment->data();
+    if (options.payload_checksum) {
+      header.flags |= kPayloadChecksum;
+      header.payload_xxh3 = xxh3({base, payload_bytes});
+    }
+    std::memcpy(base + slot.payload_capacity, &header, sizeof header);
+    if (slot.segment->damaged() || control_segment.damaged()) {
+      abandon(bucket);
+      fail(ErrorCode::SystemError, "the segment of slot ", s, " of channel ", Quoted{channel},
+           " was truncated by another process while bucket ", bucket, " was written; it was not published");
+    }
+    auto& shared = shared_slot(s);
+    shared.published_ns = ipc::monotonic_ns();
     // Release: the bytes and slot fields above are visible to a consumer that sees this value.
-    slot_generation[s] = 2 * (bucket + 1);
-    ipc::atomic(control_slot.generation).store(slot_generation[s], std::memory_order_release);
+    slot.generation = 2 * (bucket + 1);
+    ipc::atomic(shared.generation).store(slot.generation, std::memory_order_release);
     published = bucket + 1;
     ipc::atomic(control->published).store(published, std::memory_order_release);
     ipc::futex_bump_and_wake(control->consumer_wake);
@@ -174,31 +241,17 @@ struct detail::PublisherState {
 
   // Leaves a claimed slot empty: its old bucket was releasable, its new one never came.
   void abandon(std::uint64_t bucket) noexcept {
-    auto s = static_cast<std::uint32_t>(bucket % options.slots);
-    slot_generation[s] = 0;
-    ipc::atomic(slot(s).generation).store(0, std::memory_order_release);
+    auto s = slot_of(bucket);
+    slots[s].generation = 0;
+    ipc::atomic(shared_slot(s).generation).store(0, std::memory_order_release);
     ipc::futex_bump_and_wake(control->consumer_wake);
   }
 
-  // A producer resends its layout every step, so the slot's frame usually holds it already but
-  // for the identity fields at its front: writing only those leaves the rest (~60 bytes an
-  // entry) in the consumers' caches, where they read it to verify the next bucket. Known
-  // without a look when this producer wrote the same encoding there; else compared.
-  void write_manifest(std::uint32_t s, std::byte* to, std::span<const std::byte> manifest_bytes,
-                      std::uint64_t encoding_id) {
-    auto front = std::min(manifest_bytes.size(), detail::kIdentityEnd);
-    std::memcpy(to, manifest_bytes.data(), front);
-    if (frame_encoding[s] == encoding_id) return;
-    auto rest = manifest_bytes.subspan(front);
-    if (std::memcmp(to + front, rest.data(), rest.size()) != 0) std::memcpy(to + front, rest.data(), rest.size());
-    frame_encoding[s] = encoding_id;
-  }
-
   // Claims the next slot, sizes its segment and writes the manifest into its frame; nullopt on
-  // timeout, else where the payload goes. `encoding_id`: see write_manifest().
+  // timeout, else where the payload goes.
   std::optional<std::byte*> begin(std::uint64_t payload_bytes,
                                   std::span<const std::byte> manifest_bytes,
-                                  std::uint64_t encoding_id, std::chrono::milliseconds timeout) {
+                                  std::chrono::milliseconds timeout) {
     if (closed) fail(ErrorCode::InvalidArgument, "channel ", Quoted{channel}, " is closed");
     refuse_if_forked();
     if (reservation_open) {
@@ -207,18 +260,20 @@ struct detail::PublisherState {
     }
     auto start_ns = ipc::monotonic_ns();
     if (!claim(published, ipc::deadline_after(timeout))) return std::nullopt;
-    auto s = static_cast<std::uint32_t>(published % options.slots);
+    auto s = slot_of(published);
     // Consumers asleep waiting for this bucket wake now, and spin while it is written: their
     // wake-up overlaps the writing (see kWriteSpin in subscriber.cpp).
     ipc::futex_bump_and_wake(control->consumer_wake);
     try {
-      auto& control_slot = slot(s);
-      control_slot.publish_start_ns = start_ns;
+      auto& shared = shared_slot(s);
+      shared.publish_start_ns = start_ns;
       auto frame_bytes = sizeof(BucketHeader) + manifest_bytes.size();
       auto* base = segment_for(s, payload_bytes, frame_bytes).data();
-      write_manifest(s, base + control_slot.payload_capacity + sizeof(BucketHeader), manifest_bytes,
-                     encoding_id);
-      control_slot.frame_bytes = frame_bytes;
+      auto& slot = slots[s];
+      write_manifest(base + slot.payload_capacity + sizeof(BucketHeader), manifest_bytes);
+      slot.frame_bytes = frame_bytes;
+      shared.frame_bytes = frame_bytes;
+      header = make_header(manifest_bytes, {base, payload_bytes});  // the payload hash: finish()
       return base;
     } catch (...) {
       abandon(published);
@@ -228,9 +283,7 @@ struct detail::PublisherState {
 
   void remove_segments() noexcept {
     for (std::uint32_t s = 0; s < options.slots; ++s) {
-      if (auto epoch = slot(s).segment_epoch) {
-        ipc::Segment::remove(ipc::slot_segment_name(channel, s, epoch));
-      }
+      if (slots[s].epoch != 0) ipc::Segment::remove(ipc::slot_segment_name(channel, s, slots[s].epoch));
     }
     ipc::Segment::remove(ipc::control_segment_name(channel));
   }
@@ -238,21 +291,28 @@ struct detail::PublisherState {
 
 namespace {
 
-// Removes what a dead producer left under `channel`. ChannelExists if its producer lives.
-void remove_stale_channel(std::string_view channel) {
-  auto name = ipc::control_segment_name(channel);
-  auto segment = ipc::Segment::open(name, 0, false);
-  if (!segment) return;
-  if (segment->size() >= sizeof(ipc::ControlBlock)) {
-    auto* control = reinterpret_cast<ipc::ControlBlock*>(segment->data());
-    auto producer = ipc::load_process(control->producer);
-    if (ipc::is_alive(producer)) {
-      fail(ErrorCode::ChannelExists, "channel ", Quoted{channel}, " is owned by live process ",
-           producer.pid);
+// Removes what a dead producer left under `name`, holding its producer lock meanwhile: every
+// remover needs that lock and a new object can only take a free name, so while we hold it
+// and `name` still names the object, nobody else can remove or replace it. ChannelExists when
+// a live producer holds the lock.
+void remove_stale_channel(std::string_view channel, const std::string& name) {
+  auto stale = ipc::Segment::open(name, 0, true);
+  if (!stale) return;  // gone meanwhile
+  if (!ipc::try_lock(stale->descriptor(), ipc::kProducerLockByte)) {
+    std::string owner = "a live process";
+    if (stale->size() >= sizeof(ipc::ControlBlock)) {
+      auto* control = reinterpret_cast<ipc::ControlBlock*>(stale->data());
+      owner = "live process " + describe(ipc::load_label(control->producer));
     }
+    fail(ErrorCode::ChannelExists, "channel ", Quoted{channel}, " is owned by ", owner);
+  }
+  if (!stale->named(name)) return;  // replaced meanwhile: the caller looks again
+  if (stale->size() >= sizeof(ipc::ControlBlock)) {
+    auto* control = reinterpret_cast<ipc::ControlBlock*>(stale->data());
     // The dead producer may have died growing a slot, between creating one epoch and
     // unlinking the previous: remove the neighbours too.
-    auto slots = std::min<std::uint32_t>(control->slot_count, ipc::kMaxSlots);
+    auto slots = std::min<std::uint32_t>(ipc::atomic(control->slot_count).load(std::memory_order_relaxed),
+                                         ipc::kMaxSlots);
     for (std::uint32_t s = 0; s < slots; ++s) {
       auto epoch = ipc::atomic(control->slots[s].segment_epoch).load(std::memory_order_relaxed);
       for (auto e : {epoch - 1, epoch, epoch + 1}) {
@@ -261,6 +321,31 @@ void remove_stale_channel(std::string_view channel) {
     }
   }
   ipc::Segment::remove(name);
+}
+
+// The control segment, created under `name` and locked as its producer's. Of producers racing
+// for one name exactly one wins: a new object is unlocked until its creator locks it, and may
+// be taken for a dead producer's and removed meanwhile; its creator then finds it no longer
+// named and loses, removing nothing.
+ipc::Segment take_name(std::string_view channel, const std::string& name, mode_t mode) {
+  for (int round = 0; round < kNameRounds; ++round) {
+    std::optional<ipc::Segment> created;
+    try {
+      created.emplace(ipc::Segment::create(name, sizeof(ipc::ControlBlock), mode));
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::ChannelExists) throw;
+    }
+    if (!created) {
+      remove_stale_channel(channel, name);
+      continue;
+    }
+    TENSORBUCKET_TEST_HOOK(before_producer_lock);
+    if (ipc::try_lock(created->descriptor(), ipc::kProducerLockByte) && created->named(name)) {
+      return std::move(*created);
+    }
+  }
+  fail(ErrorCode::ChannelExists, "channel ", Quoted{channel}, " was taken ", kNameRounds,
+       " times by other producers while this one tried to create it");
 }
 
 void validate(const PublisherOptions& options) {
@@ -286,23 +371,14 @@ void validate(const PublisherOptions& options) {
 Publisher Publisher::create(std::string_view channel, const PublisherOptions& options) {
   ipc::validate_channel_name(channel);
   validate(options);
-  auto name = ipc::control_segment_name(channel);
-  auto segment = [&] {
-    try {
-      return ipc::Segment::create(name, sizeof(ipc::ControlBlock), options.mode);
-    } catch (const Error& e) {
-      if (e.code() != ErrorCode::ChannelExists) throw;
-      remove_stale_channel(channel);
-      return ipc::Segment::create(name, sizeof(ipc::ControlBlock), options.mode);
-    }
-  }();
+  auto segment = take_name(channel, ipc::control_segment_name(channel), options.mode);
   auto* control = reinterpret_cast<ipc::ControlBlock*>(segment.data());
   control->layout_version = ipc::kControlLayoutVersion;
   control->slot_count = static_cast<std::uint16_t>(options.slots);
-  control->max_consumers = options.max_consumers;
-  control->min_consumers = options.min_consumers;
+  control->max_consumers = static_cast<std::uint16_t>(options.max_consumers);
+  control->min_consumers = static_cast<std::uint16_t>(options.min_consumers);
   control->payload_checksum = options.payload_checksum;
-  ipc::store_process(control->producer, ipc::current_process());
+  ipc::store_label(control->producer, ipc::this_process());
   // Release: a consumer that reads the magic sees every field above.
   ipc::atomic(control->magic).store(ipc::kControlMagic, std::memory_order_release);
   return Publisher(std::make_unique<detail::PublisherState>(std::string(channel), options,
@@ -323,7 +399,7 @@ Publisher::~Publisher() { close(); }
 bool Publisher::publish(const BucketBuilder& bucket, std::chrono::milliseconds timeout) {
   auto manifest_bytes = bucket.encoded_manifest();  // refuses incomplete groups before any claim
   auto payload_bytes = bucket.payload_bytes();
-  auto base = state_->begin(payload_bytes, manifest_bytes, bucket.encoding_id_, timeout);
+  auto base = state_->begin(payload_bytes, manifest_bytes, timeout);
   if (!base) return false;
   try {
     bucket.pack_into({*base, payload_bytes});
@@ -339,7 +415,7 @@ std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
                                               std::chrono::milliseconds timeout) {
   auto manifest_bytes = layout.encoded_manifest();
   auto payload_bytes = layout.payload_bytes();
-  auto base = state_->begin(payload_bytes, manifest_bytes, layout.encoding_id_, timeout);
+  auto base = state_->begin(payload_bytes, manifest_bytes, timeout);
   if (!base) return std::nullopt;
   std::span<std::byte> payload{*base, payload_bytes};
   // Zero the padding between entries, so no bytes of an older bucket travel in it. Only the
@@ -360,13 +436,17 @@ bool Publisher::drain(std::chrono::milliseconds timeout) {
   auto deadline = ipc::deadline_after(timeout);
   auto& state = *state_;
   for (;;) {
+    state.refuse_if_control_damaged();
     auto wake = ipc::wake_count(state.control->producer_wake);
     bool drained = true;
     for (std::uint32_t s = 0; s < state.options.slots && drained; ++s) {
-      auto generation = state.slot_generation[s];
-      drained = generation == 0 || state.slot_releasable(s, generation / 2 - 1);
+      auto generation = state.slots[s].generation;
+      drained = generation == 0 || state.slot_releasable(s, bucket_in(generation));
     }
-    if (drained) return true;
+    if (drained) {
+      state.waiting_for.clear();
+      return true;
+    }
     auto now = Clock::now();
     if (now >= deadline) return false;
     ipc::futex_wait(state.control->producer_wake, wake,
@@ -380,11 +460,14 @@ void Publisher::close() noexcept {
   if (state_->forked()) return;  // the channel is the parent's
   ipc::atomic(state_->control->closed).store(1, std::memory_order_release);
   ipc::futex_bump_and_wake(state_->control->consumer_wake);
+  // Unlinked while we still hold the producer lock, which goes with the control segment's
+  // descriptor: until then the name is ours (see remove_stale_channel()).
   state_->remove_segments();
 }
 
 std::uint64_t Publisher::published() const noexcept { return state_->published; }
 const std::string& Publisher::channel() const noexcept { return state_->channel; }
+const std::string& Publisher::waiting_for() const noexcept { return state_->waiting_for; }
 
 Reservation::Reservation(detail::PublisherState* state, std::uint64_t payload_bytes,
                          std::vector<std::span<std::byte>> spans, bool streaming)
@@ -424,8 +507,7 @@ void Reservation::commit() {
   auto* state = std::exchange(state_, nullptr);
   state->reservation_open = false;
   // For the in-place path the handoff starts here: the writing before it is the caller's.
-  state->slot(static_cast<std::uint32_t>(state->published % state->options.slots)).publish_start_ns =
-      ipc::monotonic_ns();
+  state->shared_slot(state->slot_of(state->published)).publish_start_ns = ipc::monotonic_ns();
   state->finish(state->published, payload_bytes_);
 }
 

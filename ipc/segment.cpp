@@ -59,17 +59,47 @@ void allocate_all(int fd, const std::string& name, std::size_t bytes) {
   }
 }
 
+// Our own descriptor of the object, close-on-exec and kept from forked children.
+Descriptor keep(const bip::shared_memory_object& shm, const std::string& name) {
+  int fd = ::fcntl(shm.get_mapping_handle().handle, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) {
+    fail(ErrorCode::SystemError, "cannot keep a descriptor of shared memory ", Quoted{name}, ": ",
+         std::strerror(errno));
+  }
+  return Descriptor(fd);
+}
+
+bool same_object(int fd, const std::string& name) {
+  try {
+    bip::shared_memory_object named(bip::open_only, name.c_str(), bip::read_only);
+    struct stat ours {}, theirs {};
+    return ::fstat(fd, &ours) == 0 && ::fstat(named.get_mapping_handle().handle, &theirs) == 0 &&
+           ours.st_dev == theirs.st_dev && ours.st_ino == theirs.st_ino;
+  } catch (const bip::interprocess_exception&) {
+    return false;
+  }
+}
+
 }  // namespace
+
+Segment::Segment(Descriptor descriptor, bip::mapped_region region, bool writable)
+    : descriptor_(std::move(descriptor)),
+      region_(std::move(region)),
+      guard_(region_.get_address(), region_.get_size(), writable) {}
+
+bool Segment::named(const std::string& name) const { return same_object(descriptor(), name); }
 
 Segment Segment::create(const std::string& name, std::size_t bytes, mode_t mode) {
   try {
     bip::permissions permissions(static_cast<int>(mode));
     bip::shared_memory_object shm(bip::create_only, name.c_str(), bip::read_write, permissions);
+    auto descriptor = keep(shm, name);
     try {
-      allocate_all(shm.get_mapping_handle().handle, name, bytes);
-      return Segment(bip::mapped_region(shm, bip::read_write));
+      allocate_all(descriptor.get(), name, bytes);
+      return Segment(std::move(descriptor), bip::mapped_region(shm, bip::read_write), true);
     } catch (...) {
-      bip::shared_memory_object::remove(name.c_str());
+      // Only if still ours: another producer may have taken the name for a dead one's meanwhile.
+      if (same_object(descriptor.get(), name)) bip::shared_memory_object::remove(name.c_str());
       throw;
     }
   } catch (const bip::interprocess_exception& e) {
@@ -98,7 +128,9 @@ std::optional<Segment> Segment::open(const std::string& name, std::size_t min_by
       fail(ErrorCode::SystemError, "shared memory ", Quoted{name}, " has ", status.st_size,
            " bytes, fewer than the ", min_bytes, " it must hold");
     }
-    return Segment(bip::mapped_region(shm, mode));
+    // An object just created by a producer that has not sized it yet: nothing to map.
+    if (status.st_size == 0) return Segment(keep(shm, name), bip::mapped_region(), writable);
+    return Segment(keep(shm, name), bip::mapped_region(shm, mode), writable);
   } catch (const bip::interprocess_exception& e) {
     if (e.get_error_code() == bip::not_found_error) return std::nullopt;
     if (e.get_error_code() == bip::security_error) {

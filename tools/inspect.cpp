@@ -29,7 +29,7 @@ void print_json(const ChannelInfo& info) {
       << ",\"min_consumers\":" << info.min_consumers
       << ",\"payload_checksum\":" << (info.payload_checksum ? "true" : "false")
       << ",\"producer\":{\"pid\":" << info.producer_pid
-      << ",\"alive\":" << (info.producer_alive ? "true" : "false") << "},\"closed\":"
+      << ",\"pid_elsewhere\":" << (info.producer_pid_elsewhere ? "true" : "false") << ",\"alive\":" << (info.producer_alive ? "true" : "false") << "},\"closed\":"
       << (info.closed ? "true" : "false") << ",\"published\":" << info.published
       << ",\"slot_states\":[";
   for (std::size_t s = 0; s < info.slot_states.size(); ++s) {
@@ -44,7 +44,7 @@ void print_json(const ChannelInfo& info) {
     const auto& consumer = info.consumers[c];
     out << (c ? "," : "") << "{\"record\":" << consumer.record << ",\"pid\":" << consumer.pid
         << ",\"alive\":" << (consumer.alive ? "true" : "false")
-        << ",\"attaching\":" << (consumer.attaching ? "true" : "false")
+        << ",\"pid_elsewhere\":" << (consumer.pid_elsewhere ? "true" : "false")
         << ",\"next_bucket\":" << consumer.next_bucket << ",\"held_slots\":" << consumer.held_slots
         << "}";
   }
@@ -70,12 +70,16 @@ void print_json(const ChannelInfo& info) {
   std::printf("%s\n", out.str().c_str());
 }
 
+// After a pid that is one in another pid namespace (a container's), which ours cannot see.
+constexpr const char* kElsewhere = " (in another pid namespace)";
+
 void print_text(const ChannelInfo& info) {
   std::printf("channel %s (control segment %s)\n", info.channel.c_str(), info.control_segment.c_str());
   std::printf("  config     %u slots, up to %u consumers, min_consumers %u, payload checksums %s\n",
               info.slots, info.max_consumers, info.min_consumers, info.payload_checksum ? "on" : "off");
-  std::printf("  producer   pid %d, %s%s, %llu buckets published\n", info.producer_pid,
-              info.producer_alive ? "alive" : "gone", info.closed ? ", closed" : "",
+  std::printf("  producer   pid %d%s, %s%s, %llu buckets published\n", info.producer_pid,
+              info.producer_pid_elsewhere ? kElsewhere : "", info.producer_alive ? "alive" : "gone",
+              info.closed ? ", closed" : "",
               static_cast<unsigned long long>(info.published));
   for (std::size_t s = 0; s < info.slot_states.size(); ++s) {
     const auto& slot = info.slot_states[s];
@@ -89,8 +93,8 @@ void print_text(const ChannelInfo& info) {
   }
   if (info.consumers.empty()) std::printf("  consumers  none\n");
   for (const auto& consumer : info.consumers) {
-    std::printf("  consumer   record %u: pid %d, %s%s, next bucket %llu, leases 0x%x\n", consumer.record,
-                consumer.pid, consumer.alive ? "alive" : "gone", consumer.attaching ? ", attaching" : "",
+    std::printf("  consumer   record %u: pid %d%s, %s, next bucket %llu, leases 0x%x\n", consumer.record,
+                consumer.pid, consumer.pid_elsewhere ? kElsewhere : "", consumer.alive ? "alive" : "gone",
                 static_cast<unsigned long long>(consumer.next_bucket), consumer.held_slots);
   }
   if (info.newest_manifest) {

@@ -108,10 +108,6 @@ class BucketBuilder {
   std::unordered_map<std::string, std::string> group_of_member_;
   std::uint64_t payload_bytes_ = 0;
   mutable std::vector<std::byte> encoded_;  // empty until encoded_manifest(), and after changes
-  // Names encoded_'s bytes but for the identity fields; new each time they are made. A
-  // Publisher that wrote them into a slot's frame before rewrites only the identity fields.
-  mutable std::uint64_t encoding_id_ = 0;
-  friend class Publisher;
 };
 
 // One entry of a verified bucket; points into the payload (no copy).

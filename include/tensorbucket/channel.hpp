@@ -8,7 +8,11 @@
 // - A consumer that attaches late starts from the oldest bucket still held in a slot, so a
 //   producer may start first: with K slots it blocks after K buckets until a consumer comes.
 // - Producer gone (closed or dead): consumers drain what was published, then next() throws
-//   ProducerGone. Consumer gone: the producer frees its leases the next time it waits.
+//   ProducerGone. Consumer gone: the producer frees its leases when they block it, and an
+//   attaching consumer takes its record over. Liveness is a lock the kernel holds for each
+//   live process, so peers may sit in different pid namespaces.
+// - Shared memory is untrusted input: what another process of our uid can and cannot do to a
+//   producer or a consumer through it is listed in docs/channel.md ("Hostile peers").
 // - Segments are created O_EXCL with `mode` (0600 by default), opened only when owned by our
 //   uid, and removed by close(); a dead producer's segments are removed by the next producer
 //   of the same channel name, while a live producer's channel gives ChannelExists.
@@ -72,6 +76,11 @@ class Publisher {
   // Waits until every live consumer released every published bucket (and min_consumers did).
   // False on timeout.
   bool drain(std::chrono::milliseconds timeout);
+
+  // What the last publish(), reserve() or drain() that timed out waited for, in words: the
+  // consumers that held the slot (record, pid, bucket), or the releases min_consumers asks
+  // for. Empty when the last call did not time out.
+  const std::string& waiting_for() const noexcept;
 
   // Marks the channel closed, wakes consumers and removes every segment. Idempotent.
   void close() noexcept;
@@ -155,7 +164,10 @@ class Subscriber {
 
   // The next bucket in order, verified (docs/format.md rules 1-6); nullopt when none arrived
   // within `timeout`. Throws ProducerGone once the producer is gone and everything published
-  // was received, and the verification errors for a bad bucket (which is then skipped).
+  // was received, and the verification errors for a bad bucket (which is then skipped); Torn
+  // also when another process truncated the slot's segment under it. SystemError when
+  // another process took this consumer's record or truncated the control segment: the
+  // subscriber is then unusable and must attach again.
   std::optional<ReceivedBucket> next(std::chrono::milliseconds timeout,
                                      const VerifyOptions& options = {});
   std::optional<ReceivedBucket> try_next(const VerifyOptions& options = {});
@@ -180,8 +192,8 @@ struct ChannelInfo {
   struct Consumer {
     std::uint32_t record;
     std::int32_t pid;
-    bool alive;
-    bool attaching;        // between its two attach steps
+    bool pid_elsewhere;    // the pid is one in another pid namespace than ours
+    bool alive;            // it holds its record's lock
     std::uint64_t next_bucket;
     std::uint32_t held_slots;  // bit s: a lease on slot s
   };
@@ -190,6 +202,7 @@ struct ChannelInfo {
   std::uint32_t slots, max_consumers, min_consumers;
   bool payload_checksum;
   std::int32_t producer_pid;
+  bool producer_pid_elsewhere;
   bool producer_alive;
   bool closed;
   std::uint64_t published;

@@ -1,0 +1,71 @@
+#include "descriptor.hpp"
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <mutex>
+#include <utility>
+#include <vector>
+
+namespace tensorbucket::ipc {
+namespace {
+
+// The descriptors this process has open as Descriptors. The fork handlers hold the mutex
+// across fork(), so the child's copy of the list is whole and its mutex free.
+struct Registry {
+  std::mutex mutex;
+  std::vector<int> open;
+  int placeholder = -1;  // what children point their copies at
+};
+
+Registry& registry() {
+  static Registry* instance = [] {
+    auto* made = new Registry;  // never destroyed: fork handlers may run during exit
+    // A memfd needs no file system path, so it is there even where /dev/null is not.
+    made->placeholder = ::memfd_create("tensorbucket-placeholder", MFD_CLOEXEC);
+    ::pthread_atfork([] { registry().mutex.lock(); }, [] { registry().mutex.unlock(); },
+                     [] {
+                       auto& in_child = registry();
+                       // Without a placeholder (memfd_create failed) the copies stay: a
+                       // lock kept alive by a child is safer than a number closed twice.
+                       if (in_child.placeholder >= 0) {
+                         for (int fd : in_child.open) ::dup3(in_child.placeholder, fd, O_CLOEXEC);
+                       }
+                       in_child.mutex.unlock();
+                     });
+    return made;
+  }();
+  return *instance;
+}
+
+}  // namespace
+
+Descriptor::Descriptor(int fd) : fd_(fd) {
+  auto& known = registry();
+  std::lock_guard lock(known.mutex);
+  known.open.push_back(fd);
+}
+
+Descriptor::Descriptor(Descriptor&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+
+Descriptor& Descriptor::operator=(Descriptor&& other) noexcept {
+  if (this != &other) {
+    reset();
+    fd_ = std::exchange(other.fd_, -1);
+  }
+  return *this;
+}
+
+Descriptor::~Descriptor() { reset(); }
+
+void Descriptor::reset() noexcept {
+  if (fd_ < 0) return;
+  auto& known = registry();
+  std::lock_guard lock(known.mutex);
+  std::erase(known.open, fd_);
+  ::close(std::exchange(fd_, -1));
+}
+
+}  // namespace tensorbucket::ipc

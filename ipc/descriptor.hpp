@@ -1,0 +1,28 @@
+// Internal: a file descriptor that a forked child does not share.
+//
+// fork() copies descriptors, and a copy keeps the open file description alive, with the
+// locks on it (liveness.hpp): a data loader forked from a consumer would keep the consumer
+// "alive" after it died, and the producer would wait for it. So in every forked child each
+// Descriptor is pointed at a placeholder (pthread_atfork): the number stays taken, so the
+// child's copy of the handle closes nothing of anyone else's, and the locks stay the parent's.
+// Descriptors are opened close-on-exec, so exec'd programs do not inherit them either.
+#pragma once
+
+namespace tensorbucket::ipc {
+
+class Descriptor {
+ public:
+  Descriptor() = default;
+  explicit Descriptor(int fd);  // takes `fd` over
+  Descriptor(Descriptor&& other) noexcept;
+  Descriptor& operator=(Descriptor&& other) noexcept;
+  ~Descriptor();
+
+  int get() const noexcept { return fd_; }
+
+ private:
+  void reset() noexcept;
+  int fd_ = -1;
+};
+
+}  // namespace tensorbucket::ipc
