@@ -191,10 +191,6 @@ struct detail::PublisherState {
         return ipc::Segment::create(name, payload_capacity + frame_capacity, options.mode);
       }
     }();
-    auto& shared = shared_slot(s);
-    shared.segment_epoch = epoch;
-    shared.segment_bytes = payload_capacity + frame_capacity;
-    shared.payload_capacity = payload_capacity;
     if (slot.epoch != 0) ipc::Segment::remove(ipc::slot_segment_name(channel, s, slot.epoch));
     slot.segment = std::move(grown);
     slot.epoch = epoch;
@@ -224,7 +220,8 @@ struct detail::PublisherState {
       header.payload_xxh3 = xxh3({base, payload_bytes});
     }
     std::memcpy(base + slot.payload_capacity, &header, sizeof header);
-    if (slot.segment->damaged() || control_segment.damaged()) {
+    refuse_if_control_damaged();
+    if (slot.segment->damaged()) {
       abandon(bucket);
       fail(ErrorCode::SystemError, "the segment of slot ", s, " of channel ", Quoted{channel},
            " was truncated by another process while bucket ", bucket, " was written; it was not published");
@@ -272,6 +269,10 @@ struct detail::PublisherState {
       auto& slot = slots[s];
       write_manifest(base + slot.payload_capacity + sizeof(BucketHeader), manifest_bytes);
       slot.frame_bytes = frame_bytes;
+      // Every field, every bucket, from our copy: what a peer wrote there does not last.
+      shared.segment_epoch = slot.epoch;
+      shared.segment_bytes = slot.payload_capacity + slot.frame_capacity;
+      shared.payload_capacity = slot.payload_capacity;
       shared.frame_bytes = frame_bytes;
       header = make_header(manifest_bytes, {base, payload_bytes});  // the payload hash: finish()
       return base;

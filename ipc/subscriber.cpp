@@ -84,6 +84,7 @@ struct detail::SubscriberState {
   }
 
   [[noreturn]] void fail_record_taken() const {
+    refuse_if_control_damaged();  // then the record only looks taken
     fail(ErrorCode::SystemError, "record ", record_index, " of this consumer of channel ",
          Quoted{channel}, " was taken by another process (had its lock been dropped, by closing "
          "its descriptor?); attach again");

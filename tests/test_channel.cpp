@@ -1,5 +1,6 @@
 // The shared-memory channel, with peers as real processes (fork), and what must hold when one
-// of them is killed. Every test checks that none of its segments is left in /dev/shm.
+// of them is killed. Every test checks that none of its segments is left in /dev/shm. Hostile
+// peers: test_channel_peers.cpp; consumers coming and going: test_channel_churn.cpp.
 #include <gtest/gtest.h>
 
 #include <sched.h>
@@ -20,7 +21,7 @@
 #include <random>
 #include <thread>
 
-#include "../tools/workload.hpp"
+#include "channel_support.hpp"
 #include "support.hpp"
 
 namespace tensorbucket {
@@ -28,87 +29,13 @@ namespace {
 
 using namespace std::chrono_literals;
 using cli::Workload;
+using test::Child;
+using test::consume;
 using test::expect_error;
+using test::next_bucket;
+using test::segments_of;
 
-// A forked process running `body`; its return value is the exit status.
-class Child {
- public:
-  explicit Child(const std::function<int()>& body) {
-    std::fflush(nullptr);  // or the child would print our buffered output again
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      int status = 1;
-      try {
-        status = body();
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "child %d: %s\n", ::getpid(), e.what());
-      }
-      std::fflush(nullptr);
-      ::_exit(status);
-    }
-  }
-  ~Child() {
-    if (pid_ > 0 && !waited_) kill_now();
-  }
-  void kill_now() {
-    ::kill(pid_, SIGKILL);
-    wait();
-  }
-  // The exit status, or -signal; gives up (killing the child) after `timeout`.
-  int wait(std::chrono::milliseconds timeout = 60s) {
-    auto deadline = std::chrono::steady_clock::now() + timeout;
-    int status = 0;
-    while (::waitpid(pid_, &status, WNOHANG) == 0) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        ::kill(pid_, SIGKILL);
-        ::waitpid(pid_, &status, 0);
-        waited_ = true;
-        ADD_FAILURE() << "child " << pid_ << " did not finish in time";
-        return -SIGKILL;
-      }
-      std::this_thread::sleep_for(1ms);
-    }
-    waited_ = true;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
-  }
-  pid_t pid() const { return pid_; }
-
- private:
-  pid_t pid_ = -1;
-  bool waited_ = false;
-};
-
-std::vector<std::string> segments_of(const std::string& channel) {
-  std::vector<std::string> found;
-  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
-    auto name = entry.path().filename().string();
-    if (name == "tensorbucket." + channel || name.starts_with("tensorbucket." + channel + ".slot")) {
-      found.push_back(name);
-    }
-  }
-  return found;
-}
-
-class Channel : public ::testing::Test {
- protected:
-  std::string channel = "tbtest-" + std::to_string(::getpid()) + "-" +
-                        ::testing::UnitTest::GetInstance()->current_test_info()->name();
-  void TearDown() override { EXPECT_EQ(segments_of(channel), std::vector<std::string>{}); }
-};
-
-// Receives `buckets` buckets in order, checking every byte; the exit status says how it went.
-int consume(const std::string& channel, const Workload& workload, std::uint64_t buckets,
-            std::chrono::milliseconds pause = 0ms) {
-  auto subscriber = Subscriber::attach(channel, 10s);
-  for (std::uint64_t i = 0; i < buckets; ++i) {
-    auto bucket = subscriber.next(10s);
-    if (!bucket) return 3;
-    if (bucket->sequence() != i) return 4;
-    if (!cli::check_bucket(bucket->view(), workload.seed, i).empty()) return 5;
-    if (pause > 0ms) std::this_thread::sleep_for(pause);
-  }
-  return 0;
-}
+using Channel = test::ChannelTest;
 
 TEST_F(Channel, DeliversEveryBucketInOrderToTwoConsumers) {
   Workload workload{.buckets = 1000, .tensors = 8, .tensor_bytes = 512, .seed = 3};
@@ -133,7 +60,10 @@ TEST_F(Channel, DeliversEveryBucketInOrderToTwoConsumerThreads) {
   std::thread a([&] { first = consume(channel, workload, workload.buckets); });
   std::thread b([&] { second = consume(channel, workload, workload.buckets); });
   for (std::uint64_t i = 0; i < workload.buckets; ++i) {
-    ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, i).builder, 10s)) << "bucket " << i;
+    if (!publisher.publish(cli::make_bucket(workload, i).builder, 10s)) {
+      ADD_FAILURE() << "bucket " << i << " waited for " << publisher.waiting_for();
+      break;  // to the joins: a test that returned here would leave them joinable
+    }
   }
   EXPECT_TRUE(publisher.drain(10s));
   a.join();
@@ -165,8 +95,13 @@ TEST_F(Channel, LongestTimeoutWaitsWithoutLimit) {
   Workload workload{.tensors = 2, .tensor_bytes = 64};
   auto publisher = Publisher::create(channel);
   auto subscriber = Subscriber::attach(channel, forever);
+  test::Tampering control(test::control_name(channel));
+  ASSERT_TRUE(control.mapped());
   std::thread late([&] {
-    std::this_thread::sleep_for(50ms);
+    // Only once the consumer sleeps in its wait: a bucket published before it got there
+    // would be returned without any waiting, whatever the timeout did.
+    auto& sleepers = control.control().consumer_wake.sleepers;
+    EXPECT_TRUE(test::wait_until([&] { return ipc::atomic(sleepers).load() > 0; }));
     EXPECT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, forever));
   });
   auto bucket = subscriber.next(forever);
@@ -185,6 +120,30 @@ TEST_F(Channel, LateConsumerStartsFromOldestHeldBucket) {
   Child consumer([&] { return consume(channel, workload, 3); });
   EXPECT_TRUE(publisher.publish(cli::make_bucket(workload, 2).builder, 10s));
   EXPECT_EQ(consumer.wait(), 0);
+}
+
+// With min_consumers = 0 the producer goes on without consumers, overwriting its slots: a
+// consumer that comes later starts from the oldest bucket still held, not from bucket 0.
+TEST_F(Channel, LateConsumerSkipsBucketsNoLongerHeld) {
+  Workload workload{.buckets = 8, .tensors = 2, .tensor_bytes = 64};
+  auto publisher = Publisher::create(channel, {.slots = 3, .min_consumers = 0});
+  auto publish = [&](std::uint64_t i, std::chrono::milliseconds timeout) {
+    return publisher.publish(cli::make_bucket(workload, i).builder, timeout);
+  };
+  for (std::uint64_t i = 0; i < 5; ++i) ASSERT_TRUE(publish(i, 1s)) << "bucket " << i;
+  auto subscriber = Subscriber::attach(channel, 1s);  // the slots hold buckets 2, 3 and 4
+  // Lossless once attached: bucket 5 would overwrite bucket 2, which it has not read.
+  EXPECT_FALSE(publish(5, 20ms));
+  auto receive = [&](std::uint64_t i) {
+    auto bucket = next_bucket(subscriber, 1s);
+    EXPECT_EQ(bucket.sequence(), i);
+    EXPECT_EQ(cli::check_bucket(bucket.view(), workload.seed, i), "");
+  };
+  for (std::uint64_t i = 2; i < 5; ++i) receive(i);
+  for (std::uint64_t i = 5; i < workload.buckets; ++i) {
+    ASSERT_TRUE(publish(i, 1s)) << "bucket " << i;
+    receive(i);
+  }
 }
 
 TEST_F(Channel, InPlaceReservationPublishesWhatWasWritten) {
@@ -229,7 +188,7 @@ TEST_F(Channel, ReservationPaddingCarriesNoOlderBytes) {
   auto subscriber = Subscriber::attach(channel, 1s);
   // Fill the slot with non-zero bytes first: 2 x 512 bytes, no padding.
   ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 2, .tensor_bytes = 512}, 0).builder, 1s));
-  subscriber.next(1s)->release();
+  next_bucket(subscriber, 1s).release();
   // Then a layout of 2 x 8 bytes: bytes 8..255 are padding.
   auto layout = cli::make_layout({.tensors = 2, .tensor_bytes = 8}, 1);
   auto reservation = publisher.reserve(layout, 1s);
@@ -399,18 +358,6 @@ TEST_F(Channel, SharedMemoryWithoutSizeLimitTakesBuckets) {
   });
 }
 
-// Maps a slot segment for writing, as a faulty or hostile process could.
-std::span<std::byte> map_for_tampering(const std::string& name) {
-  int fd = ::shm_open(("/" + name).c_str(), O_RDWR, 0);
-  if (fd < 0) return {};
-  struct stat status {};
-  ::fstat(fd, &status);
-  auto* data = ::mmap(nullptr, static_cast<std::size_t>(status.st_size), PROT_READ | PROT_WRITE,
-                      MAP_SHARED, fd, 0);
-  ::close(fd);
-  return {static_cast<std::byte*>(data), static_cast<std::size_t>(status.st_size)};
-}
-
 TEST_F(Channel, ViewsAreSharedMemoryAndHoldTheirSlot) {
   Workload workload{.tensors = 2, .tensor_bytes = 64};
   auto publisher = Publisher::create(channel, {.slots = 1});
@@ -419,11 +366,10 @@ TEST_F(Channel, ViewsAreSharedMemoryAndHoldTheirSlot) {
   auto bucket = subscriber.next(1s);
   ASSERT_TRUE(bucket.has_value());
   // Zero-copy: a write into the segment shows through the view.
-  auto segment = map_for_tampering("tensorbucket." + channel + ".slot0.1");
-  ASSERT_FALSE(segment.empty());
-  segment[0] = ~bucket->view()[0].bytes[0];
-  EXPECT_EQ(bucket->view()[0].bytes[0], segment[0]);
-  ::munmap(segment.data(), segment.size());
+  test::Tampering segment(test::slot_name(channel, 0));
+  ASSERT_TRUE(segment.mapped());
+  segment.bytes()[0] = ~bucket->view()[0].bytes[0];
+  EXPECT_EQ(bucket->view()[0].bytes[0], segment.bytes()[0]);
   // Held: the only slot cannot be reused until the bucket is released.
   EXPECT_FALSE(publisher.publish(cli::make_bucket(workload, 1).builder, 30ms));
   bucket->release();
@@ -435,16 +381,15 @@ TEST_F(Channel, FlippedPayloadByteIsRejectedWithChecksumMismatch) {
   auto publisher = Publisher::create(channel, {.payload_checksum = true});
   auto subscriber = Subscriber::attach(channel, 1s);
   ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 1s));
-  auto segment = map_for_tampering("tensorbucket." + channel + ".slot0.1");
-  ASSERT_FALSE(segment.empty());
-  segment[3] ^= std::byte{0x40};
+  test::Tampering segment(test::slot_name(channel, 0));
+  ASSERT_TRUE(segment.mapped());
+  segment.bytes()[3] ^= std::byte{0x40};
   expect_error(ErrorCode::ChecksumMismatch, [&] { subscriber.next(1s); });
   // The bad bucket is skipped and released; the channel goes on.
   ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 1).builder, 1s));
   auto bucket = subscriber.next(1s);
   ASSERT_TRUE(bucket.has_value());
   EXPECT_EQ(bucket->sequence(), 1u);
-  ::munmap(segment.data(), segment.size());
 }
 
 TEST_F(Channel, FlippedManifestByteIsRejectedWithChecksumMismatch) {
@@ -452,12 +397,11 @@ TEST_F(Channel, FlippedManifestByteIsRejectedWithChecksumMismatch) {
   auto publisher = Publisher::create(channel, {.payload_checksum = true});
   auto subscriber = Subscriber::attach(channel, 1s);
   ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 1s));
-  auto segment = map_for_tampering("tensorbucket." + channel + ".slot0.1");
-  ASSERT_FALSE(segment.empty());
+  test::Tampering segment(test::slot_name(channel, 0));
+  ASSERT_TRUE(segment.mapped());
   // The frame follows the payload's page; byte 70 is inside the manifest.
-  segment[4096 + sizeof(BucketHeader) + 6] ^= std::byte{0x01};
+  segment.bytes()[4096 + sizeof(BucketHeader) + 6] ^= std::byte{0x01};
   expect_error(ErrorCode::ChecksumMismatch, [&] { subscriber.next(1s); });
-  ::munmap(segment.data(), segment.size());
 }
 
 // A child forked from a producer or consumer inherits its handles. Before, the child's exit
@@ -535,14 +479,17 @@ TEST_F(Channel, KilledProducerLeavesConsumersWithProducerGone) {
     auto subscriber = Subscriber::attach(run_channel, 10s);
     std::this_thread::sleep_for(std::chrono::microseconds(rng() % 20000));
     producer.kill_now();
+    auto published = inspect_channel(run_channel).published;
     std::uint64_t received = 0;
-    auto message = expect_error(ErrorCode::ProducerGone, [&] {
+    expect_error(ErrorCode::ProducerGone, [&] {
       while (auto bucket = subscriber.next(5s)) {
         ASSERT_EQ(bucket->sequence(), received);
         ASSERT_EQ(cli::check_bucket(bucket->view(), workload.seed, received), "");
         ++received;
       }
     });
+    // Every bucket the dead producer published, and nothing else.
+    EXPECT_EQ(received, published);
     // The next producer of that name removes what the dead one left.
     Publisher::create(run_channel).close();
     EXPECT_EQ(segments_of(run_channel), std::vector<std::string>{});
@@ -552,27 +499,22 @@ TEST_F(Channel, KilledProducerLeavesConsumersWithProducerGone) {
 TEST_F(Channel, KilledConsumerHoldingALeaseDoesNotStopTheProducer) {
   Workload workload{.buckets = 20, .tensors = 2, .tensor_bytes = 256};
   auto publisher = Publisher::create(channel, {.slots = 2});
-  int ready[2];
-  ASSERT_EQ(::pipe(ready), 0);
+  test::Signal holding;
   Child holder([&] {
     auto subscriber = Subscriber::attach(channel, 10s);
     auto bucket = subscriber.next(10s);  // held until killed
-    char byte = 1;
-    if (::write(ready[1], &byte, 1) != 1) return 1;
+    if (!bucket || !holding.send()) return 1;
     ::pause();
     return 0;
   });
   Child steady([&] { return consume(channel, workload, workload.buckets); });
   ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 10s));
-  char byte;
-  ASSERT_EQ(::read(ready[0], &byte, 1), 1);
+  ASSERT_TRUE(holding.receive());
   holder.kill_now();
   for (std::uint64_t i = 1; i < workload.buckets; ++i) {
     ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, i).builder, 10s)) << "bucket " << i;
   }
   EXPECT_EQ(steady.wait(), 0);
-  ::close(ready[0]);
-  ::close(ready[1]);
 }
 
 TEST_F(Channel, LiveProducerKeepsItsName) {
