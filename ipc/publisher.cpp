@@ -113,13 +113,6 @@ struct detail::PublisherState {
   // dead, so a record an attacher took over meanwhile is left alone. When false,
   // `waiting_for` says who blocks.
   bool slot_releasable(std::uint32_t s, std::uint64_t bucket) {
-    auto releases = ipc::atomic(shared_slot(s).release_count).load(std::memory_order_acquire);
-    if (releases < options.min_consumers) {
-      waiting_for = std::to_string(releases) + " of the " + std::to_string(options.min_consumers) +
-                    " releases of bucket " + std::to_string(bucket) +
-                    " that min_consumers asks for (no consumer attached has released it yet)";
-      return false;
-    }
     for (std::uint32_t r = 0; r < options.max_consumers; ++r) {
       auto& record = control->consumers[r];
       auto claim = ipc::atomic(record.claim).load(std::memory_order_seq_cst);
@@ -134,6 +127,12 @@ struct detail::PublisherState {
       waiting_for = "consumer " + describe(ipc::load_label(record.process)) + " (record " +
                     std::to_string(r) + "), which " +
                     (leased ? "still holds bucket " : "has not read bucket ") + std::to_string(bucket);
+      return false;
+    }
+    auto releases = ipc::atomic(shared_slot(s).release_count).load(std::memory_order_acquire);
+    if (releases < options.min_consumers) {
+      waiting_for = "consumers to release bucket " + std::to_string(bucket) + " (min_consumers is " +
+                    std::to_string(options.min_consumers) + "; " + std::to_string(releases) + " did)";
       return false;
     }
     return true;

@@ -136,6 +136,10 @@ std::optional<Segment> Segment::open(const std::string& name, std::size_t min_by
     if (e.get_error_code() == bip::security_error) {
       fail(ErrorCode::PermissionDenied, "no permission to open shared memory ", Quoted{name});
     }
+    if (e.get_native_error() == ELOOP) {  // shm_open opens with O_NOFOLLOW
+      fail(ErrorCode::PermissionDenied, "shared memory ", Quoted{name},
+           " is a symbolic link, which is never followed: remove it or use another channel name");
+    }
     fail(ErrorCode::SystemError, "cannot open shared memory ", Quoted{name}, ": ", e.what());
   }
 }

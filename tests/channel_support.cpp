@@ -8,7 +8,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <stdexcept>
@@ -99,15 +98,6 @@ char Signal::receive(std::chrono::milliseconds timeout) {
   return byte;
 }
 
-bool wait_until(const std::function<bool()>& condition, std::chrono::milliseconds timeout) {
-  auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (!condition()) {
-    if (std::chrono::steady_clock::now() > deadline) return condition();
-    std::this_thread::sleep_for(1ms);
-  }
-  return true;
-}
-
 std::vector<std::string> segments_of(const std::string& channel) {
   std::vector<std::string> found;
   for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
@@ -117,13 +107,6 @@ std::vector<std::string> segments_of(const std::string& channel) {
     }
   }
   return found;
-}
-
-std::string channel_for_this_test() {
-  std::string name = "tb-" + std::to_string(::getpid()) + "-" +
-                     ::testing::UnitTest::GetInstance()->current_test_info()->name();
-  std::replace(name.begin(), name.end(), '/', '.');  // parameterized tests: "Name/1"
-  return name.substr(0, ipc::kMaxChannelName);
 }
 
 Tampering::Tampering(const std::string& segment) {

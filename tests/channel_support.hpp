@@ -16,6 +16,7 @@
 
 #include "../tools/workload.hpp"
 #include "ipc/control.hpp"
+#include "support.hpp"
 #include "tensorbucket/tensorbucket.hpp"
 
 namespace tensorbucket::test {
@@ -63,19 +64,13 @@ class Signal {
   int fds_[2] = {-1, -1};
 };
 
-// Polls `condition` every millisecond for at most `timeout`; its last answer.
-bool wait_until(const std::function<bool()>& condition, std::chrono::milliseconds timeout = 10s);
-
 // The names in /dev/shm that belong to `channel`.
 std::vector<std::string> segments_of(const std::string& channel);
-
-// "tb-<pid>-<test name>", made a valid channel name.
-std::string channel_for_this_test();
 
 // A channel named after the test, and a check that none of its segments is left behind.
 class ChannelTest : public ::testing::Test {
  protected:
-  std::string channel = channel_for_this_test();
+  std::string channel = channel_for_this_test("tb");
   void TearDown() override { EXPECT_EQ(segments_of(channel), std::vector<std::string>{}); }
 };
 

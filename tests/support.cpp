@@ -1,8 +1,11 @@
 #include "support.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <thread>
 
 namespace tensorbucket::test {
 namespace {
@@ -60,6 +63,22 @@ RandomBucket make_random_bucket(std::mt19937_64& rng, std::size_t max_entries, b
   }
   bucket.builder.version(rng()).bucket(static_cast<std::uint32_t>(rng() % 4), 4);
   return bucket;
+}
+
+bool wait_until(const std::function<bool()>& condition, std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!condition()) {
+    if (std::chrono::steady_clock::now() > deadline) return condition();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+std::string channel_for_this_test(const std::string& prefix) {
+  std::string name = prefix + "-" + std::to_string(::getpid()) + "-" +
+                     ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  std::replace(name.begin(), name.end(), '/', '.');  // parameterized tests: "Name/1"
+  return name.substr(0, 64);
 }
 
 std::uint64_t fuzz_seed(std::uint64_t fallback) { return env_or("TB_FUZZ_SEED", fallback); }

@@ -3,7 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <random>
 #include <span>
@@ -46,6 +48,14 @@ struct RandomBucket {
 // Every dtype, scalars and zero-size dims, long and non-ASCII names, groups; up to
 // `max_entries` entries (exactly that many when `exact`).
 RandomBucket make_random_bucket(std::mt19937_64& rng, std::size_t max_entries, bool exact = false);
+
+// Polls `condition` every millisecond for at most `timeout`; its last answer. For tests that
+// wait for something another process does: a bounded wait, never a fixed sleep.
+bool wait_until(const std::function<bool()>& condition,
+                std::chrono::milliseconds timeout = std::chrono::seconds(10));
+
+// "<prefix>-<pid>-<test name>", made a valid channel name (at most 64 characters, no '/').
+std::string channel_for_this_test(const std::string& prefix);
 
 // TB_FUZZ_SEED / TB_FUZZ_ITERS, or the given defaults: fixed unless someone explores.
 std::uint64_t fuzz_seed(std::uint64_t fallback);

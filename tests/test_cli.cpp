@@ -1,22 +1,28 @@
-// The tbucket command line as scripts use it: real exec'd processes, exit statuses, and no
-// segment left behind. The binary's path comes in TBUCKET.
+// The tbucket command line as scripts use it: real exec'd processes, exit statuses, what they
+// print, and no segment left behind. The binary's path comes in TBUCKET.
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
+#include <sys/resource.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "../tools/workload.hpp"
+#include "ipc/control.hpp"
 #include "support.hpp"
 
 namespace tensorbucket {
@@ -24,31 +30,93 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// Starts `tbucket args...` with stdout and stderr to /dev/null.
-pid_t spawn(std::vector<std::string> args) {
-  const char* binary = std::getenv("TBUCKET");
-  std::fflush(nullptr);
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    int null = ::open("/dev/null", O_WRONLY);
-    ::dup2(null, 1);
-    ::dup2(null, 2);
-    std::vector<char*> argv{const_cast<char*>(binary)};
-    for (auto& arg : args) argv.push_back(arg.data());
-    argv.push_back(nullptr);
-    ::execv(binary, argv.data());
-    ::_exit(127);
+std::string read_file(const std::string& path) {
+  std::ifstream file(path);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+// `tbucket args...` running, its stdout and stderr going to files.
+class Tbucket {
+ public:
+  explicit Tbucket(std::vector<std::string> args) {
+    static int runs = 0;
+    auto base = std::filesystem::temp_directory_path() /
+                ("tbcli-" + std::to_string(::getpid()) + "-" + std::to_string(runs++));
+    out_ = base.string() + ".out";
+    err_ = base.string() + ".err";
+    const char* binary = std::getenv("TBUCKET");
+    std::fflush(nullptr);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::dup2(::open(out_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600), 1);
+      ::dup2(::open(err_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600), 2);
+      std::vector<char*> argv{const_cast<char*>(binary)};
+      for (auto& arg : args) argv.push_back(arg.data());
+      argv.push_back(nullptr);
+      ::execv(binary, argv.data());
+      ::_exit(127);
+    }
   }
-  return pid;
-}
+  Tbucket(const Tbucket&) = delete;
+  Tbucket& operator=(const Tbucket&) = delete;
+  ~Tbucket() {
+    if (!status_) {
+      ::kill(pid_, SIGKILL);
+      finish();
+    }
+    std::filesystem::remove(out_);
+    std::filesystem::remove(err_);
+  }
 
-int wait_for(pid_t pid) {
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
+  // The exit status (128 + signal when killed by one); kills it after `timeout`.
+  int finish(std::chrono::milliseconds timeout = 60s) {
+    if (status_) return *status_;
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    int status = 0;
+    while (::waitpid(pid_, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        ADD_FAILURE() << "tbucket did not finish in time";
+        ::kill(pid_, SIGKILL);
+        ::waitpid(pid_, &status, 0);
+        break;
+      }
+      std::this_thread::sleep_for(1ms);
+    }
+    status_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return *status_;
+  }
+  bool running() {
+    siginfo_t info{};
+    return !status_ && ::waitid(P_PID, static_cast<id_t>(pid_), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+           info.si_pid == 0;
+  }
+  // Waits (bounded) until its SIGINT and SIGTERM handlers are in place: a signal sent before
+  // would kill it with the same status a clean stop exits with.
+  bool handles_stop_signals() {
+    return test::wait_until([&] {
+      std::ifstream status("/proc/" + std::to_string(pid_) + "/status");
+      for (std::string line; std::getline(status, line);) {
+        if (!line.starts_with("SigCgt:")) continue;
+        auto caught = std::stoull(line.substr(7), nullptr, 16);
+        return (caught >> (SIGTERM - 1) & 1) && (caught >> (SIGINT - 1) & 1);
+      }
+      return false;
+    });
+  }
+  void signal(int number) { ::kill(pid_, number); }
+  pid_t pid() const { return pid_; }
+  std::string out() const { return read_file(out_); }
+  std::string err() const { return read_file(err_); }
 
-int run(std::vector<std::string> args) { return wait_for(spawn(std::move(args))); }
+ private:
+  pid_t pid_ = -1;
+  std::optional<int> status_;
+  std::string out_, err_;
+};
+
+int run(std::vector<std::string> args) { return Tbucket(std::move(args)).finish(); }
 
 class Cli : public ::testing::Test {
  protected:
@@ -61,18 +129,30 @@ class Cli : public ::testing::Test {
           << entry.path() << " was left behind";
     }
   }
-  std::string channel = "tbcli-" + std::to_string(::getpid()) + "-" +
-                        ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  std::string channel = test::channel_for_this_test("tbcli");
 };
 
+// A usage error is exit status 2 and one line on stderr that says what was wrong.
+void expect_usage_error(std::vector<std::string> args, const std::string& named) {
+  Tbucket tbucket(args);
+  EXPECT_EQ(tbucket.finish(), 2) << args[0];
+  auto err = tbucket.err();
+  EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
+  EXPECT_NE(err.find(named), std::string::npos) << err;
+}
+
 TEST_F(Cli, ProducerAndVerifyingConsumersExitZero) {
-  auto first = spawn({"consume", "--channel", channel, "--buckets", "50", "--verify", "--json"});
-  auto second = spawn({"consume", "--channel", channel, "--buckets", "50", "--verify"});
+  Tbucket first({"consume", "--channel", channel, "--buckets", "50", "--verify", "--json"});
+  Tbucket second({"consume", "--channel", channel, "--buckets", "50", "--verify"});
   EXPECT_EQ(run({"produce", "--channel", channel, "--buckets", "50", "--tensors", "6",
                  "--tensor-bytes", "2048", "--consumers", "2", "--checksum", "--in-place"}),
             0);
-  EXPECT_EQ(wait_for(first), 0);
-  EXPECT_EQ(wait_for(second), 0);
+  EXPECT_EQ(first.finish(), 0);
+  EXPECT_EQ(second.finish(), 0);
+  auto lines = first.out();
+  EXPECT_EQ(std::count(lines.begin(), lines.end(), '\n'), 50);
+  EXPECT_NE(lines.find("{\"index\":49,\"version\":49,\"entries\":6,\"bytes\":12288,"), std::string::npos) << lines;
+  EXPECT_EQ(lines.find("\"ok\":false"), std::string::npos) << lines;
 }
 
 TEST_F(Cli, MissingChannelExitsSix) {
@@ -81,24 +161,96 @@ TEST_F(Cli, MissingChannelExitsSix) {
 
 TEST_F(Cli, LiveChannelNameExitsSix) {
   auto publisher = Publisher::create(channel);
-  EXPECT_EQ(run({"produce", "--channel", channel, "--buckets", "1"}), 6);
+  Tbucket producer({"produce", "--channel", channel, "--buckets", "1"});
+  EXPECT_EQ(producer.finish(), 6);
+  EXPECT_NE(producer.err().find("live process pid " + std::to_string(::getpid())), std::string::npos)
+      << producer.err();
 }
 
-TEST_F(Cli, BadUsageExitsTwo) {
-  EXPECT_EQ(run({"produce"}), 2);
-  EXPECT_EQ(run({"produce", "--channel", "no/slashes"}), 2);
+// A symbolic link where a segment would be is never followed, and is a channel problem.
+TEST_F(Cli, SymbolicLinkAtTheChannelNameExitsSix) {
+  auto link = "/dev/shm/tensorbucket." + channel;
+  std::filesystem::create_symlink("/tmp/nothing-" + channel, link);
+  for (std::vector<std::string> args : {std::vector<std::string>{"produce", "--channel", channel},
+                                        {"consume", "--channel", channel, "--timeout-ms", "50"},
+                                        {"inspect", "--channel", channel}}) {
+    Tbucket tbucket(args);
+    EXPECT_EQ(tbucket.finish(), 6) << args[0];
+    EXPECT_NE(tbucket.err().find("symbolic link"), std::string::npos) << tbucket.err();
+  }
+  std::filesystem::remove(link);
+}
+
+TEST_F(Cli, BadUsageExitsTwoWithOneLine) {
+  expect_usage_error({"produce"}, "--channel is required");
+  expect_usage_error({"produce", "--channel", "no/slashes"}, "no/slashes");
+  expect_usage_error({"frobnicate"}, "unknown command 'frobnicate'");
+  expect_usage_error({"produce", "--channel", channel, "--tensor-bytes", "abc"},
+                     "'abc' is not a whole number");
+}
+
+// Negative numbers used to wrap around (--timeout-ms -1 waited for ever, --interval-ms -5
+// slept for ever), numbers past 2^64 were taken, and --tensor-bytes 13 became 8.
+TEST_F(Cli, NumbersOutsideTheirRangeExitTwo) {
+  expect_usage_error({"consume", "--channel", channel, "--timeout-ms", "-1"}, "'-1'");
+  expect_usage_error({"produce", "--channel", channel, "--interval-ms", "-5"}, "'-5'");
+  expect_usage_error({"produce", "--channel", channel, "--seed", "-1"}, "'-1'");
+  expect_usage_error({"produce", "--channel", channel, "--seed", "18446744073709551616"},
+                     "'18446744073709551616'");
+  expect_usage_error({"produce", "--channel", channel, "--tensor-bytes", "13"}, "a multiple of 8");
+  expect_usage_error({"produce", "--channel", channel, "--slots", "17"}, "from 1 to 16");
+  expect_usage_error({"consume", "--channel", channel, "--buckets", "1e3"}, "'1e3'");
+  expect_usage_error({"demo", "--layers", "0"}, "from 1 to 256");
+  expect_usage_error({"bench", "--repeats", "-50"}, "'-50'");
+}
+
+// Before, a bucket past the format's payload limit failed as a bad bucket (exit 5).
+TEST_F(Cli, BucketPastThePayloadLimitIsAUsageError) {
+  expect_usage_error({"produce", "--channel", channel, "--tensors", "300", "--tensor-bytes",
+                      "1099511627776"},
+                     "past the limit");
+}
+
+// Before, the copy path allocated the whole bucket in private memory first, and only then
+// found that shared memory could not hold it: std::bad_alloc, or the OOM killer.
+TEST_F(Cli, BucketLargerThanSharedMemoryFailsBeforeAllocatingIt) {
+  struct statvfs filesystem {};
+  ASSERT_EQ(::statvfs("/dev/shm", &filesystem), 0);
+  auto shm_bytes = filesystem.f_blocks * filesystem.f_frsize;
+  auto tensor_bytes = std::uint64_t{1} << 30;
+  auto tensors = shm_bytes / tensor_bytes + 2;
+  Tbucket producer({"produce", "--channel", channel, "--buckets", "1", "--tensors", std::to_string(tensors),
+                "--tensor-bytes", std::to_string(tensor_bytes)});
+  EXPECT_EQ(producer.finish(), 1);
+  EXPECT_NE(producer.err().find("free"), std::string::npos) << producer.err();
+  rusage usage{};
+  ASSERT_EQ(::getrusage(RUSAGE_CHILDREN, &usage), 0);
+  EXPECT_LT(usage.ru_maxrss, 1 << 20) << "KiB at the most, in some child of this test";
 }
 
 TEST_F(Cli, NoConsumerExitsThreeAfterItsTimeout) {
-  EXPECT_EQ(run({"produce", "--channel", channel, "--buckets", "3", "--slots", "1",
-                 "--timeout-ms", "100"}),
-            3);
+  Tbucket producer({"produce", "--channel", channel, "--buckets", "3", "--slots", "1", "--timeout-ms", "100"});
+  EXPECT_EQ(producer.finish(), 3);
+  EXPECT_NE(producer.err().find("waiting for consumers to release bucket 0"), std::string::npos)
+      << producer.err();
+}
+
+// The producer's Timeout names the consumer that holds it back.
+TEST_F(Cli, ProducerTimeoutNamesTheConsumerHoldingIt) {
+  Tbucket producer({"produce", "--channel", channel, "--buckets", "3", "--slots", "1", "--timeout-ms", "300"});
+  auto subscriber = Subscriber::attach(channel, 10s);
+  auto bucket = subscriber.next(10s);
+  ASSERT_TRUE(bucket.has_value());
+  EXPECT_EQ(producer.finish(), 3);
+  auto err = producer.err();
+  EXPECT_NE(err.find("consumer pid " + std::to_string(::getpid())), std::string::npos) << err;
+  EXPECT_NE(err.find("still holds bucket 0"), std::string::npos) << err;
 }
 
 TEST_F(Cli, ConsumerWantingMoreThanWasPublishedExitsFour) {
-  auto consumer = spawn({"consume", "--channel", channel, "--buckets", "5"});
+  Tbucket consumer({"consume", "--channel", channel, "--buckets", "5"});
   EXPECT_EQ(run({"produce", "--channel", channel, "--buckets", "2"}), 0);
-  EXPECT_EQ(wait_for(consumer), 4);
+  EXPECT_EQ(consumer.finish(), 4);
 }
 
 TEST_F(Cli, FlippedPayloadByteExitsFive) {
@@ -107,42 +259,91 @@ TEST_F(Cli, FlippedPayloadByteExitsFive) {
   ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 1s));
   int fd = ::shm_open(("/tensorbucket." + channel + ".slot0.1").c_str(), O_RDWR, 0);
   ASSERT_GE(fd, 0);
-  auto* byte = static_cast<std::byte*>(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  auto* mapped = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   ::close(fd);
-  byte[10] ^= std::byte{1};
-  ::munmap(byte, 4096);
+  ASSERT_NE(mapped, MAP_FAILED);
+  static_cast<std::byte*>(mapped)[10] ^= std::byte{1};
+  ::munmap(mapped, 4096);
   EXPECT_EQ(run({"consume", "--channel", channel, "--buckets", "1"}), 5);
 }
 
+// A generation past every bucket in the only slot: the consumer gives up at its timeout.
+// Before, it skipped a bucket per turn of a loop that never looked at the time (or signals).
+TEST_F(Cli, ConsumerFacingAbsurdGenerationsExitsThreeAtItsTimeout) {
+  cli::Workload workload{.tensors = 2, .tensor_bytes = 64};
+  auto publisher = Publisher::create(channel, {.slots = 1});
+  ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 1s));
+  int fd = ::shm_open(("/tensorbucket." + channel).c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  auto* mapped = ::mmap(nullptr, sizeof(ipc::ControlBlock), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  ASSERT_NE(mapped, MAP_FAILED);
+  auto& control = *static_cast<ipc::ControlBlock*>(mapped);
+  ipc::atomic(control.slots[0].generation).store(std::uint64_t{1} << 62);
+  Tbucket consumer({"consume", "--channel", channel, "--timeout-ms", "300"});
+  EXPECT_EQ(consumer.finish(20s), 3) << consumer.err();
+  ::munmap(mapped, sizeof(ipc::ControlBlock));
+}
+
 TEST_F(Cli, TerminatedProducerRemovesItsSegments) {
-  auto producer = spawn({"produce", "--channel", channel, "--buckets", "100", "--timeout-ms", "30000"});
+  Tbucket producer({"produce", "--channel", channel, "--buckets", "100", "--timeout-ms", "30000"});
   auto control = "/dev/shm/tensorbucket." + channel;
-  for (int i = 0; i < 500 && !std::filesystem::exists(control); ++i) std::this_thread::sleep_for(2ms);
-  ASSERT_TRUE(std::filesystem::exists(control));
-  ::kill(producer, SIGTERM);
-  EXPECT_EQ(wait_for(producer), 128 + SIGTERM);
+  ASSERT_TRUE(test::wait_until([&] { return std::filesystem::exists(control); }));
+  ASSERT_TRUE(producer.handles_stop_signals());
+  producer.signal(SIGTERM);
+  EXPECT_EQ(producer.finish(), 128 + SIGTERM);
+  // Exit 143 from its handler, not from the default action: it says so, and it cleaned up.
+  EXPECT_NE(producer.err().find("stopped by signal 15; channel closed"), std::string::npos) << producer.err();
+  EXPECT_FALSE(std::filesystem::exists(control));
 }
 
 TEST_F(Cli, TerminatedConsumerStopsWaitingForTheChannel) {
-  auto consumer = spawn({"consume", "--channel", channel, "--timeout-ms", "20000"});
-  std::this_thread::sleep_for(200ms);  // past installing its handlers, into the wait
-  ::kill(consumer, SIGTERM);
-  EXPECT_EQ(wait_for(consumer), 128 + SIGTERM);  // not 6 (ChannelMissing) 20 s later
+  Tbucket consumer({"consume", "--channel", channel, "--timeout-ms", "20000"});
+  ASSERT_TRUE(consumer.handles_stop_signals());
+  consumer.signal(SIGTERM);
+  EXPECT_EQ(consumer.finish(), 128 + SIGTERM);  // not 6 (ChannelMissing) 20 s later
+  EXPECT_NE(consumer.err().find("stopped by signal 15"), std::string::npos) << consumer.err();
 }
 
 TEST_F(Cli, LongestTimeoutWaitsWithoutLimit) {
   // 2^64 - 1 ms overflowed the deadline into the past: the consumer gave up at once.
-  auto consumer = spawn({"consume", "--channel", channel, "--timeout-ms", "18446744073709551615"});
+  Tbucket consumer({"consume", "--channel", channel, "--timeout-ms", "18446744073709551615"});
+  ASSERT_TRUE(consumer.handles_stop_signals());
   std::this_thread::sleep_for(300ms);
-  ::kill(consumer, SIGTERM);
-  EXPECT_EQ(wait_for(consumer), 128 + SIGTERM);  // still waiting, not 6 (ChannelMissing)
+  EXPECT_TRUE(consumer.running()) << "exited " << consumer.finish() << ": " << consumer.err();
+  consumer.signal(SIGTERM);
+  EXPECT_EQ(consumer.finish(), 128 + SIGTERM);
+  EXPECT_NE(consumer.err().find("stopped by signal 15"), std::string::npos) << consumer.err();
 }
 
 TEST_F(Cli, InspectShowsTheChannel) {
   cli::Workload workload{.tensors = 2, .tensor_bytes = 64};
-  auto publisher = Publisher::create(channel);
+  auto publisher = Publisher::create(channel, {.slots = 2});
+  auto subscriber = Subscriber::attach(channel, 1s);
   ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 1s));
-  EXPECT_EQ(run({"inspect", "--channel", channel, "--json"}), 0);
+  auto bucket = subscriber.next(1s);
+  ASSERT_TRUE(bucket.has_value());
+  auto pid = std::to_string(::getpid());
+
+  Tbucket json({"inspect", "--channel", channel, "--json"});
+  ASSERT_EQ(json.finish(), 0);
+  auto text = json.out();
+  for (const auto& expected :
+       {"\"channel\":\"" + channel + "\"", std::string("\"slots\":2,\"max_consumers\":8,\"min_consumers\":1"),
+        "\"producer\":{\"pid\":" + pid + ",\"pid_elsewhere\":false,\"alive\":true}",
+        std::string("\"published\":1"), std::string("{\"slot\":0,\"generation\":2,\"bucket\":0,"),
+        "\"consumers\":[{\"record\":0,\"pid\":" + pid + ",\"pid_elsewhere\":false,\"alive\":true,"
+        "\"next_bucket\":1,\"held_slots\":1}]",
+        std::string("\"newest_manifest\":{\"version\":0,\"bucket_index\":0,\"bucket_count\":10,\"entries\":2,")}) {
+    EXPECT_NE(text.find(expected), std::string::npos) << expected << " not in " << text;
+  }
+
+  Tbucket plain({"inspect", "--channel", channel});
+  ASSERT_EQ(plain.finish(), 0);
+  text = plain.out();
+  EXPECT_NE(text.find("producer   pid " + pid + ", alive, 1 buckets published"), std::string::npos) << text;
+  EXPECT_NE(text.find("consumer   record 0: pid " + pid + ", alive, next bucket 1, leases 0x1"),
+            std::string::npos) << text;
   EXPECT_EQ(run({"inspect", "--channel", channel + "-missing"}), 6);
 }
 

@@ -162,7 +162,7 @@ Row notification(const char* name, Wait wait, std::chrono::microseconds gap, int
 }  // namespace
 
 int run_bench(const BenchOptions& options) {
-  int n = options.repeats;
+  auto n = static_cast<int>(options.repeats);
   std::vector<Row> rows;
   rows.push_back(copy_handoff("copy 1000 x 1 KiB", 1024, n, "<= 95 us"));
   rows.push_back(copy_handoff("copy 1000 x 256 KiB", 256 * 1024, std::max(5, n / 10), "<= 1.1x memcpy"));

@@ -37,13 +37,13 @@ struct InspectOptions {
 };
 
 struct DemoOptions {
-  int layers = 8;
+  std::uint32_t layers = 8;
   std::uint64_t seed = 1;
 };
 
 struct BenchOptions {
   bool json = false;
-  int repeats = 50;
+  std::uint32_t repeats = 50;
 };
 
 int run_produce(const ProduceOptions& options);

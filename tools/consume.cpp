@@ -7,6 +7,11 @@
 namespace tensorbucket::cli {
 namespace {
 
+int stopped() {
+  std::fprintf(stderr, "tbucket: stopped by signal %d; channel left\n", stop_signal());
+  return 128 + stop_signal();
+}
+
 std::uint64_t monotonic_ns() {
   timespec now{};
   ::clock_gettime(CLOCK_MONOTONIC, &now);
@@ -26,7 +31,7 @@ int run_consume(const ConsumeOptions& options) {
     }
     return subscriber.has_value();
   });
-  if (stop_signal() != 0) return 128 + stop_signal();
+  if (stop_signal() != 0) return stopped();
   if (!subscriber) {
     throw Error(ErrorCode::ChannelMissing, "channel '" + options.channel + "' did not appear within " +
                                                std::to_string(options.timeout_ms) + " ms");
@@ -42,7 +47,7 @@ int run_consume(const ConsumeOptions& options) {
       if (e.code() == ErrorCode::ProducerGone && options.buckets == 0) return kOk;
       throw;
     }
-    if (stop_signal() != 0) return 128 + stop_signal();
+    if (stop_signal() != 0) return stopped();
     if (!bucket) {
       std::fprintf(stderr, "tbucket: Timeout: no bucket arrived on '%s' within %llu ms\n",
                    options.channel.c_str(), static_cast<unsigned long long>(options.timeout_ms));

@@ -53,7 +53,7 @@ std::vector<Tensor> make_model(const DemoOptions& options) {
     fill(t.bytes, options.seed * 1000003 + model.size());
   };
   add("embed.weight", DType::BF16, {kVocab, kDim});
-  for (int layer = 0; layer < options.layers; ++layer) {
+  for (std::uint32_t layer = 0; layer < options.layers; ++layer) {
     auto prefix = "layers." + std::to_string(layer) + ".";
     add(prefix + "attn_norm.weight", DType::F32, {kDim});
     add(prefix + "attn.qkv.weight", DType::BF16, {3 * kDim, kDim});

@@ -29,7 +29,8 @@ void print_json(const ChannelInfo& info) {
       << ",\"min_consumers\":" << info.min_consumers
       << ",\"payload_checksum\":" << (info.payload_checksum ? "true" : "false")
       << ",\"producer\":{\"pid\":" << info.producer_pid
-      << ",\"pid_elsewhere\":" << (info.producer_pid_elsewhere ? "true" : "false") << ",\"alive\":" << (info.producer_alive ? "true" : "false") << "},\"closed\":"
+      << ",\"pid_elsewhere\":" << (info.producer_pid_elsewhere ? "true" : "false")
+      << ",\"alive\":" << (info.producer_alive ? "true" : "false") << "},\"closed\":"
       << (info.closed ? "true" : "false") << ",\"published\":" << info.published
       << ",\"slot_states\":[";
   for (std::size_t s = 0; s < info.slot_states.size(); ++s) {
@@ -43,8 +44,8 @@ void print_json(const ChannelInfo& info) {
   for (std::size_t c = 0; c < info.consumers.size(); ++c) {
     const auto& consumer = info.consumers[c];
     out << (c ? "," : "") << "{\"record\":" << consumer.record << ",\"pid\":" << consumer.pid
-        << ",\"alive\":" << (consumer.alive ? "true" : "false")
         << ",\"pid_elsewhere\":" << (consumer.pid_elsewhere ? "true" : "false")
+        << ",\"alive\":" << (consumer.alive ? "true" : "false")
         << ",\"next_bucket\":" << consumer.next_bucket << ",\"held_slots\":" << consumer.held_slots
         << "}";
   }

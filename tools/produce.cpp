@@ -16,14 +16,34 @@ int stopped() {
   return 128 + stop_signal();
 }
 
+// The options' bucket within the format's payload limit: a usage error, not a bad bucket.
+void check_payload_limit(const Workload& workload) {
+  auto entry_bytes = (tensor_bytes(workload) + kPayloadAlignment - 1) / kPayloadAlignment * kPayloadAlignment;
+  // At most 2^20 tensors of 2^40 bytes (the options' ranges): no overflow.
+  auto payload_bytes = workload.tensors * entry_bytes;
+  if (payload_bytes > kMaxPayloadBytes) {
+    throw Error(ErrorCode::InvalidArgument,
+                std::to_string(workload.tensors) + " tensors of " + std::to_string(workload.tensor_bytes) +
+                    " bytes make a " + std::to_string(payload_bytes) + "-byte payload, past the limit of " +
+                    std::to_string(kMaxPayloadBytes));
+  }
+}
+
 }  // namespace
 
 int run_produce(const ProduceOptions& options) {
   install_stop_handlers();
+  const auto& workload = options.workload;
+  check_payload_limit(workload);
   auto publisher = Publisher::create(options.channel, {.slots = options.slots,
                                                        .min_consumers = options.consumers,
                                                        .payload_checksum = options.checksum});
-  const auto& workload = options.workload;
+  if (!options.in_place) {
+    // The copy path makes a private copy of each bucket first. Reserving the first slot
+    // (then dropping it: nothing is published) sizes its segment, so that a bucket shared
+    // memory cannot hold fails here, before that much memory is allocated for nothing.
+    publisher.reserve(make_layout(workload, 0), std::chrono::milliseconds(0));
+  }
   std::uint64_t bytes = 0;
   auto start = Clock::now();
   for (std::uint64_t i = 0; i < workload.buckets; ++i) {
@@ -50,9 +70,9 @@ int run_produce(const ProduceOptions& options) {
     }
     if (stop_signal() != 0) return stopped();
     if (!published) {
-      std::fprintf(stderr, "tbucket: Timeout: no slot of channel '%s' came free within %llu ms (bucket %llu)\n",
-                   options.channel.c_str(), static_cast<unsigned long long>(options.timeout_ms),
-                   static_cast<unsigned long long>(i));
+      std::fprintf(stderr, "tbucket: Timeout: no slot of channel '%s' came free within %llu ms (bucket %llu); "
+                   "waiting for %s\n", options.channel.c_str(), static_cast<unsigned long long>(options.timeout_ms),
+                   static_cast<unsigned long long>(i), publisher.waiting_for().c_str());
       return kTimeout;
     }
     if (options.interval_ms != 0) {
@@ -65,8 +85,9 @@ int run_produce(const ProduceOptions& options) {
   bool drained = with_deadline(options.timeout_ms, [&](auto slice) { return publisher.drain(slice); });
   if (stop_signal() != 0) return stopped();
   if (!drained) {
-    std::fprintf(stderr, "tbucket: Timeout: consumers did not release every bucket of '%s' within %llu ms\n",
-                 options.channel.c_str(), static_cast<unsigned long long>(options.timeout_ms));
+    std::fprintf(stderr, "tbucket: Timeout: consumers did not release every bucket of '%s' within %llu ms; "
+                 "waiting for %s\n", options.channel.c_str(), static_cast<unsigned long long>(options.timeout_ms),
+                 publisher.waiting_for().c_str());
     return kTimeout;
   }
   auto seconds = std::chrono::duration<double>(Clock::now() - start).count();

@@ -2,43 +2,80 @@
 // returns an exit status from exit_codes.hpp; errors print one line to stderr.
 #include <CLI/CLI.hpp>
 
+#include <charconv>
 #include <cstdio>
+#include <limits>
+#include <string>
 
 #include "commands.hpp"
 #include "exit_codes.hpp"
+
+namespace {
+
+constexpr auto kAny = std::numeric_limits<std::uint64_t>::max();
+
+// A whole number of decimal digits from `min` to `max` (and a multiple of `step`). Every
+// numeric option is read through this: CLI11 on its own took "-1" for 2^64 - 1 and went on
+// past 2^64.
+CLI::Validator whole_number(std::uint64_t min, std::uint64_t max, std::uint64_t step = 1) {
+  std::string wanted = "a whole number from " + std::to_string(min) + " to " + std::to_string(max) +
+                       (step > 1 ? ", a multiple of " + std::to_string(step) : "");
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        std::uint64_t value = 0;
+        const char* end = text.data() + text.size();
+        auto [stop, error] = std::from_chars(text.data(), end, value);
+        if (text.empty() || error != std::errc() || stop != end || value < min || value > max ||
+            value % step != 0) {
+          return "'" + text + "' is not " + wanted;
+        }
+        return {};
+      },
+      "UINT in " + std::to_string(min) + ".." + std::to_string(max));
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace tensorbucket;
   CLI::App app{"tbucket: move named tensors between processes as verified zero-copy buckets"};
   app.set_version_flag("--version", "tbucket " TENSORBUCKET_VERSION);
   app.require_subcommand(1);
+  // One line, like every other error of tbucket.
+  app.failure_message([](const CLI::App*, const CLI::Error& e) {
+    return std::string("tbucket: usage: ") + e.what() + " (see tbucket --help)\n";
+  });
 
   cli::ProduceOptions produce;
   auto* produce_command = app.add_subcommand("produce", "Create a channel and publish N deterministic buckets");
   produce_command->add_option("--channel", produce.channel, "Channel name")->required();
   produce_command->add_option("--buckets", produce.workload.buckets, "Buckets to publish")
-      ->check(CLI::Range(1ull, 1ull << 32));
+      ->check(whole_number(1, 1ull << 32));
   produce_command->add_option("--tensors", produce.workload.tensors, "Tensors per bucket")
-      ->check(CLI::Range(0u, 1u << 20));
+      ->check(whole_number(0, 1u << 20));
   produce_command->add_option("--tensor-bytes", produce.workload.tensor_bytes, "Bytes per tensor (multiple of 8)")
-      ->check(CLI::Range(8ull, 1ull << 40));
-  produce_command->add_option("--slots", produce.slots, "Slots (buckets in flight)")->check(CLI::Range(1, 16));
+      ->check(whole_number(8, 1ull << 40, 8));
+  produce_command->add_option("--slots", produce.slots, "Slots (buckets in flight)")->check(whole_number(1, 16));
   produce_command->add_option("--consumers", produce.consumers,
                               "Releases each bucket needs before its slot is reused (min_consumers)")
-      ->check(CLI::Range(0, 8));
-  produce_command->add_option("--seed", produce.workload.seed, "Seed of the tensors' bytes");
+      ->check(whole_number(0, 8));
+  produce_command->add_option("--seed", produce.workload.seed, "Seed of the tensors' bytes")->check(whole_number(0, kAny));
   produce_command->add_flag("--checksum", produce.checksum, "Hash every payload");
   produce_command->add_flag("--in-place", produce.in_place, "Write tensors straight into shared memory");
-  produce_command->add_option("--interval-ms", produce.interval_ms, "Pause between buckets");
-  produce_command->add_option("--timeout-ms", produce.timeout_ms, "Longest wait for a slot, and for the final drain");
+  produce_command->add_option("--interval-ms", produce.interval_ms, "Pause between buckets")
+      ->check(whole_number(0, kAny));
+  produce_command->add_option("--timeout-ms", produce.timeout_ms, "Longest wait for a slot, and for the final drain")
+      ->check(whole_number(0, kAny));
 
   cli::ConsumeOptions consume;
   auto* consume_command = app.add_subcommand("consume", "Receive buckets in order and print one line each");
   consume_command->add_option("--channel", consume.channel, "Channel name")->required();
-  consume_command->add_option("--buckets", consume.buckets, "Buckets to receive (0: until the producer is gone)");
-  consume_command->add_option("--seed", consume.seed, "Seed the producer used");
+  consume_command->add_option("--buckets", consume.buckets, "Buckets to receive (0: until the producer is gone)")
+      ->check(whole_number(0, kAny));
+  consume_command->add_option("--seed", consume.seed, "Seed the producer used")->check(whole_number(0, kAny));
   consume_command->add_flag("--verify", consume.verify, "Regenerate and compare every byte");
-  consume_command->add_option("--timeout-ms", consume.timeout_ms, "Longest wait for the channel and for each bucket");
+  consume_command->add_option("--timeout-ms", consume.timeout_ms, "Longest wait for the channel and for each bucket")
+      ->check(whole_number(0, kAny));
   consume_command->add_flag("--json", consume.json, "One JSON object per bucket");
 
   cli::InspectOptions inspect;
@@ -48,14 +85,21 @@ int main(int argc, char** argv) {
 
   cli::DemoOptions demo;
   auto* demo_command = app.add_subcommand("demo", "A trainer process sends a model update to a server process");
-  demo_command->add_option("--layers", demo.layers, "Transformer layers in the model")->check(CLI::Range(1, 256));
-  demo_command->add_option("--seed", demo.seed, "Seed of the tensors' bytes");
+  demo_command->add_option("--layers", demo.layers, "Transformer layers in the model")->check(whole_number(1, 256));
+  demo_command->add_option("--seed", demo.seed, "Seed of the tensors' bytes")->check(whole_number(0, kAny));
 
   cli::BenchOptions bench;
   auto* bench_command = app.add_subcommand("bench", "Cross-process handoff figures beside their baselines");
   bench_command->add_flag("--json", bench.json, "One JSON array");
-  bench_command->add_option("--repeats", bench.repeats, "Handoffs per small figure")->check(CLI::Range(5, 100000));
+  bench_command->add_option("--repeats", bench.repeats, "Handoffs per small figure")->check(whole_number(5, 100000));
 
+  // CLI11 answers an unknown command with "A subcommand is required".
+  auto named = [&](const CLI::App* command) { return command->get_name() == argv[1]; };
+  if (argc > 1 && argv[1][0] != '-' && app.get_subcommands(named).empty()) {
+    std::fprintf(stderr, "tbucket: usage: unknown command '%s'; the commands are produce, consume, "
+                 "inspect, demo and bench (see tbucket --help)\n", argv[1]);
+    return cli::kUsage;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -71,6 +115,9 @@ int main(int argc, char** argv) {
   } catch (const Error& e) {
     std::fprintf(stderr, "tbucket: %s: %s\n", to_string(e.code()).data(), e.what());
     return cli::exit_code_for(e.code());
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "tbucket: SystemError: not enough memory\n");
+    return cli::kOtherError;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tbucket: %s\n", e.what());
     return cli::kOtherError;
