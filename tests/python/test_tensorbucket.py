@@ -19,6 +19,27 @@ import tensorbucket
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 
+# How many threads sleep in a wait on a channel's control block: in next() ("consumer"), in
+# publish() or drain() ("producer"). White-box, from ipc/control.hpp (the `sleepers` of
+# ControlBlock's consumer_wake and producer_wake), so that a test waits until a thread really
+# waits instead of sleeping and hoping it got there. As text, so that the scripts the tests
+# below run in other processes carry the same helpers.
+SLEEPERS = """
+def sleepers(channel, side):
+    with open(f"/dev/shm/tensorbucket.{channel}", "rb") as control:
+        control.seek({"consumer": 52, "producer": 60}[side])
+        return int.from_bytes(control.read(4), "little")
+
+def wait_until(condition, timeout=30):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the condition did not come true in time")
+        time.sleep(0.001)
+"""
+exec(SLEEPERS)
+
+
 @pytest.fixture
 def channel(request):
     name = "".join(c if c.isalnum() or c in "._-" else "-" for c in request.node.name)
@@ -213,7 +234,7 @@ def test_close_from_another_thread_ends_a_waiting_call(channel, waiting):
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    time.sleep(0.2)
+    wait_until(lambda: sleepers(channel, "producer") > 0)
     closer = threading.Thread(target=publisher.close)
     closer.start()
     closer.join(timeout=5)
@@ -238,7 +259,7 @@ def a_publish_waiting_in_another_thread(channel):
     held = subscriber.next(timeout=5)
     waiter = threading.Thread(target=lambda: publisher.publish({"w": torch.ones(8)}, timeout=None))
     waiter.start()
-    time.sleep(0.2)
+    wait_until(lambda: sleepers(channel, "producer") > 0)
     return publisher, held, waiter
 
 
@@ -275,7 +296,7 @@ def test_a_closed_subscriber_leaves_once_its_views_are_gone(channel):
 
         waiter = threading.Thread(target=wait)
         waiter.start()
-        time.sleep(0.2)
+        wait_until(lambda: sleepers(channel, "consumer") > 0)
     waiter.join(timeout=5)
     assert not waiter.is_alive() and len(waiter_error) == 1 and "closed" in waiter_error[0]
     with pytest.raises(tensorbucket.Error, match="closed"):
@@ -294,6 +315,7 @@ def test_a_closed_subscriber_leaves_once_its_views_are_gone(channel):
 
 DAEMON_THREADS_AT_EXIT = """
 import sys, threading, time, torch, tensorbucket
+""" + SLEEPERS + """
 channel = sys.argv[1]
 publisher = tensorbucket.Publisher(channel, slots=1)
 subscriber = tensorbucket.Subscriber(channel, timeout=5)
@@ -316,7 +338,7 @@ def wait_for_a_slot():
 threading.Thread(target=serve, daemon=True).start()
 threading.Thread(target=wait_for_a_slot, daemon=True).start()
 publisher.publish({"w": torch.ones(2)})
-time.sleep(0.3)
+wait_until(lambda: sleepers(channel, "consumer") > 0 and sleepers(channel + "-full", "producer") > 0)
 print("main thread done", flush=True)
 """
 
@@ -337,6 +359,7 @@ def test_the_interpreter_exits_cleanly_around_daemon_threads_that_wait(channel):
 
 FORK_WHILE_A_THREAD_WAITS = """
 import os, sys, threading, time, torch, tensorbucket
+""" + SLEEPERS + """
 publisher = tensorbucket.Publisher(sys.argv[1])
 subscriber = tensorbucket.Subscriber(sys.argv[1], timeout=5)
 
@@ -348,7 +371,7 @@ def serve():
         pass
 
 threading.Thread(target=serve, daemon=True).start()
-time.sleep(0.2)
+wait_until(lambda: sleepers(sys.argv[1], "consumer") > 0)
 pid = os.fork()
 if pid == 0:
     sys.exit(0)  # a normal exit: the atexit hooks run in the child
@@ -653,6 +676,25 @@ def test_a_state_dict_built_once_sends_every_steps_weights(channel):
             for name, tensor in expected.items():
                 assert torch.equal(bucket[name], tensor), (step, name)
         assert expected["1.num_batches_tracked"].item() == step + 1
+
+
+def test_a_manifest_changed_in_shared_memory_is_not_delivered(channel):
+    """Before, a publisher sending the same layout again wrote only its identity fields into
+    the slot and hashed whatever manifest bytes the slot held: a byte that another process
+    flipped there ('layer.weight' to 'Layer.weight') was delivered as verified. The slot's
+    bytes are compared with the layout and rewritten now."""
+    weights = {"layer.weight": torch.ones(4), "layer.bias": torch.zeros(2)}
+    publisher = tensorbucket.Publisher(channel, slots=1)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    publisher.publish(weights, version=1)
+    subscriber.next(timeout=5).release()
+    with open(f"/dev/shm/tensorbucket.{channel}.slot0.1", "r+b") as slot:
+        slot.seek(slot.read().index(b"layer.weight"))
+        slot.write(b"L")
+    publisher.publish(weights, version=2)
+    bucket = subscriber.next(timeout=5)
+    assert bucket.version == 2
+    assert sorted(bucket.keys()) == ["layer.bias", "layer.weight"]
 
 
 def test_a_value_that_is_not_a_tensor_is_named(channel):
