@@ -40,13 +40,22 @@ Registry& registry() {
   return *instance;
 }
 
+// Whether this thread holds a ForkPause, and so the registry's mutex already.
+thread_local bool pausing = false;
+
 }  // namespace
 
-Descriptor::Descriptor(int fd) : fd_(fd) {
-  auto& known = registry();
-  std::lock_guard lock(known.mutex);
-  known.open.push_back(fd);
+ForkPause::ForkPause() {
+  registry().mutex.lock();
+  pausing = true;
 }
+
+ForkPause::~ForkPause() {
+  pausing = false;
+  registry().mutex.unlock();
+}
+
+Descriptor::Descriptor(int fd, const ForkPause&) : fd_(fd) { registry().open.push_back(fd); }
 
 Descriptor::Descriptor(Descriptor&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
 
@@ -63,7 +72,8 @@ Descriptor::~Descriptor() { reset(); }
 void Descriptor::reset() noexcept {
   if (fd_ < 0) return;
   auto& known = registry();
-  std::lock_guard lock(known.mutex);
+  std::unique_lock lock(known.mutex, std::defer_lock);
+  if (!pausing) lock.lock();  // a Descriptor dropped under a ForkPause: held already
   std::erase(known.open, fd_);
   ::close(std::exchange(fd_, -1));
 }

@@ -1,4 +1,4 @@
-// Internal: a file descriptor that a forked child does not share.
+// Internal: file descriptors that a forked child does not share.
 //
 // fork() copies descriptors, and a copy keeps the open file description alive, with the
 // locks on it (liveness.hpp): a data loader forked from a consumer would keep the consumer
@@ -10,10 +10,21 @@
 
 namespace tensorbucket::ipc {
 
+// While one lives, no fork() of this process goes ahead (it waits in pthread_atfork's prepare
+// step): what a thread opens meanwhile is a Descriptor before any child can copy it raw.
+class ForkPause {
+ public:
+  ForkPause();
+  ~ForkPause();
+  ForkPause(const ForkPause&) = delete;
+  ForkPause& operator=(const ForkPause&) = delete;
+};
+
 class Descriptor {
  public:
   Descriptor() = default;
-  explicit Descriptor(int fd);  // takes `fd` over
+  // Takes `fd` over; made under a ForkPause, so that no child got it before it was registered.
+  Descriptor(int fd, const ForkPause&);
   Descriptor(Descriptor&& other) noexcept;
   Descriptor& operator=(Descriptor&& other) noexcept;
   ~Descriptor();

@@ -1,5 +1,6 @@
 #include "fault_guard.hpp"
 
+#include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -12,29 +13,47 @@
 namespace tensorbucket::ipc {
 namespace {
 
-// A fixed table, so the handler reads it without locks or allocation. `state` publishes an
-// entry: its bounds are written before it turns kActive (release), and read after the
-// handler sees kActive (acquire).
-enum : std::uint32_t { kFree = 0, kTaken, kActive };
+// A fixed table, so that the handler reads it without locks or allocation. Entries change
+// under `writers`; the handler reads one as a seqlock: `sequence` is odd while the entry
+// changes, and an entry read between two equal even values is whole. An entry whose bounds
+// are 0 is free.
 struct Range {
-  std::atomic<std::uint32_t> state{kFree};
-  std::atomic<std::uint32_t> damaged{0};
-  std::uintptr_t begin = 0;
-  std::uintptr_t end = 0;
-  bool writable = false;
+  std::atomic<std::uint64_t> sequence{0};
+  std::atomic<std::uintptr_t> begin{0};
+  std::atomic<std::uintptr_t> end{0};
+  std::atomic<bool> writable{false};
+  std::atomic<bool> inherited{false};
+  std::atomic<bool> damaged{false};
 };
 constexpr int kRanges = 1024;
 Range ranges[kRanges];
+std::mutex writers;
 
 struct sigaction previous {};
 std::uintptr_t page_bytes = 4096;  // read once, before the handler is installed
 
+// Rewrites entry `i` (under `writers`).
+void set(int i, std::uintptr_t begin, std::uintptr_t end, bool writable, bool inherited) {
+  auto& range = ranges[i];
+  range.sequence.fetch_add(1, std::memory_order_acq_rel);  // odd: changing
+  std::atomic_thread_fence(std::memory_order_release);
+  range.begin.store(begin, std::memory_order_relaxed);
+  range.end.store(end, std::memory_order_relaxed);
+  range.writable.store(writable, std::memory_order_relaxed);
+  range.inherited.store(inherited, std::memory_order_relaxed);
+  range.damaged.store(false, std::memory_order_relaxed);
+  range.sequence.fetch_add(1, std::memory_order_release);  // even: whole
+}
+
 void pass_on(int signal, siginfo_t* info, void* context) {
   if (previous.sa_flags & SA_SIGINFO) {
     previous.sa_sigaction(signal, info, context);
+  } else if (previous.sa_handler == SIG_IGN && info->si_code <= 0) {
+    // Sent by a process (kill), which the previous disposition ignored. A fault cannot be.
   } else if (previous.sa_handler == SIG_DFL || previous.sa_handler == SIG_IGN) {
-    // The faulting access runs again when we return, and faults again: to the default action.
+    // The default action, now: for a fault, once we return, it would fault again anyway.
     ::signal(signal, SIG_DFL);
+    ::raise(signal);
   } else {
     previous.sa_handler(signal);
   }
@@ -43,22 +62,37 @@ void pass_on(int signal, siginfo_t* info, void* context) {
 void on_sigbus(int signal, siginfo_t* info, void* context) {
   auto address = reinterpret_cast<std::uintptr_t>(info->si_addr);
   for (auto& range : ranges) {
-    if (range.state.load(std::memory_order_acquire) != kActive) continue;
-    if (address < range.begin || address >= range.end) continue;
+    auto before = range.sequence.load(std::memory_order_acquire);
+    auto begin = range.begin.load(std::memory_order_relaxed);
+    auto end = range.end.load(std::memory_order_relaxed);
+    bool writable = range.writable.load(std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (before % 2 != 0 || range.sequence.load(std::memory_order_relaxed) != before) continue;
+    if (info->si_code <= 0 || address < begin || address >= end) continue;
     auto from = address / page_bytes * page_bytes;
-    int protection = range.writable ? PROT_READ | PROT_WRITE : PROT_READ;
+    int protection = writable ? PROT_READ | PROT_WRITE : PROT_READ;
     // The rest of the range at once: a truncation cuts everything past the new end.
-    void* mapped = ::mmap(reinterpret_cast<void*>(from), range.end - from, protection,
+    void* mapped = ::mmap(reinterpret_cast<void*>(from), end - from, protection,
                           MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (mapped == MAP_FAILED) break;
-    range.damaged.store(1, std::memory_order_release);
+    range.damaged.store(true, std::memory_order_release);
     return;
   }
   pass_on(signal, info, context);
 }
 
+// In a forked child, the ranges it did not inherit are gone from its address space: another
+// mapping may come there, whose faults are not ours to hide.
+void forget_uninherited() {
+  for (int i = 0; i < kRanges; ++i) {
+    if (ranges[i].end.load(std::memory_order_relaxed) != 0 && !ranges[i].inherited.load()) set(i, 0, 0, false, false);
+  }
+  writers.unlock();
+}
+
 void install_handler() {
   page_bytes = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  ::pthread_atfork([] { writers.lock(); }, [] { writers.unlock(); }, forget_uninherited);
   struct sigaction action {};
   action.sa_sigaction = on_sigbus;
   action.sa_flags = SA_SIGINFO | SA_ONSTACK;
@@ -68,18 +102,15 @@ void install_handler() {
 
 }  // namespace
 
-GuardedRange::GuardedRange(void* begin, std::size_t bytes, bool writable) noexcept {
+GuardedRange::GuardedRange(void* begin, std::size_t bytes, bool writable, bool inherited) noexcept {
   if (bytes == 0) return;
   static std::once_flag installed;
   std::call_once(installed, install_handler);
+  std::lock_guard lock(writers);
   for (int i = 0; i < kRanges; ++i) {
-    auto expected = static_cast<std::uint32_t>(kFree);
-    if (!ranges[i].state.compare_exchange_strong(expected, kTaken, std::memory_order_acquire)) continue;
-    ranges[i].begin = reinterpret_cast<std::uintptr_t>(begin);
-    ranges[i].end = ranges[i].begin + bytes;
-    ranges[i].writable = writable;
-    ranges[i].damaged.store(0, std::memory_order_relaxed);
-    ranges[i].state.store(kActive, std::memory_order_release);
+    if (ranges[i].end.load(std::memory_order_relaxed) != 0) continue;
+    auto first = reinterpret_cast<std::uintptr_t>(begin);
+    set(i, first, first + bytes, writable, inherited);
     index_ = i;
     return;
   }
@@ -99,11 +130,12 @@ GuardedRange::~GuardedRange() { reset(); }
 
 void GuardedRange::reset() noexcept {
   if (index_ < 0) return;
-  ranges[std::exchange(index_, -1)].state.store(kFree, std::memory_order_release);
+  std::lock_guard lock(writers);
+  set(std::exchange(index_, -1), 0, 0, false, false);
 }
 
 bool GuardedRange::damaged() const noexcept {
-  return index_ >= 0 && ranges[index_].damaged.load(std::memory_order_acquire) != 0;
+  return index_ >= 0 && ranges[index_].damaged.load(std::memory_order_acquire);
 }
 
 }  // namespace tensorbucket::ipc

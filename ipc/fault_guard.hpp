@@ -17,9 +17,10 @@ namespace tensorbucket::ipc {
 class GuardedRange {
  public:
   GuardedRange() = default;
-  // Guards [begin, begin + bytes), mapped readable, and writable when `writable`. A process
-  // guards up to 1024 ranges at once; past that a range is left unguarded, as before.
-  GuardedRange(void* begin, std::size_t bytes, bool writable) noexcept;
+  // Guards [begin, begin + bytes), mapped readable, and writable when `writable`. A range not
+  // `inherited` by forked children (MADV_DONTFORK) is forgotten in them. A process guards up to
+  // 1024 ranges at once; past that a range is left unguarded, as before.
+  GuardedRange(void* begin, std::size_t bytes, bool writable, bool inherited) noexcept;
   GuardedRange(GuardedRange&& other) noexcept;
   GuardedRange& operator=(GuardedRange&& other) noexcept;
   ~GuardedRange();  // must run before the range is unmapped

@@ -43,7 +43,7 @@ std::optional<Manifest> read_manifest(std::string_view channel, std::uint32_t s,
 ChannelInfo inspect_channel(std::string_view channel) {
   ipc::validate_channel_name(channel);
   auto name = ipc::control_segment_name(channel);
-  auto segment = ipc::Segment::open(name, sizeof(ipc::ControlBlock), false);
+  auto segment = ipc::Segment::open(name, sizeof(ipc::ControlBlock), false, ipc::Locks::kKept);
   auto* control = segment ? reinterpret_cast<ipc::ControlBlock*>(segment->data()) : nullptr;
   if (!control || ipc::atomic(control->magic).load(std::memory_order_acquire) != ipc::kControlMagic) {
     text::fail(ErrorCode::ChannelMissing, "channel ", text::Quoted{channel}, " does not exist");

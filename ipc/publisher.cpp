@@ -15,7 +15,6 @@
 #include "serialize/identity.hpp"
 #include "serialize/text.hpp"
 #include "tensorbucket/channel.hpp"
-#include "test_hooks.hpp"
 
 namespace tensorbucket {
 
@@ -113,7 +112,9 @@ struct detail::PublisherState {
   // dead, so a record an attacher took over meanwhile is left alone. When false,
   // `waiting_for` says who blocks.
   bool slot_releasable(std::uint32_t s, std::uint64_t bucket) {
-    for (std::uint32_t r = 0; r < options.max_consumers; ++r) {
+    // Every record, not only max_consumers of them: attach reads that bound from shared
+    // memory, where a peer may have raised it.
+    for (std::uint32_t r = 0; r < ipc::kMaxConsumers; ++r) {
       auto& record = control->consumers[r];
       auto claim = ipc::atomic(record.claim).load(std::memory_order_seq_cst);
       if (ipc::claim_token(claim) == 0) continue;
@@ -296,9 +297,10 @@ namespace {
 // and `name` still names the object, nobody else can remove or replace it. ChannelExists when
 // a live producer holds the lock.
 void remove_stale_channel(std::string_view channel, const std::string& name) {
-  auto stale = ipc::Segment::open(name, 0, true);
+  auto stale = ipc::Segment::open(name, 0, true, ipc::Locks::kKept);
   if (!stale) return;  // gone meanwhile
   if (!ipc::try_lock(stale->descriptor(), ipc::kProducerLockByte)) {
+    // Or by another producer, which holds the lock while it removes a dead one's channel.
     std::string owner = "a live process";
     if (stale->size() >= sizeof(ipc::ControlBlock)) {
       auto* control = reinterpret_cast<ipc::ControlBlock*>(stale->data());
@@ -324,14 +326,14 @@ void remove_stale_channel(std::string_view channel, const std::string& name) {
 }
 
 // The control segment, created under `name` and locked as its producer's. Of producers racing
-// for one name exactly one wins: a new object is unlocked until its creator locks it, and may
-// be taken for a dead producer's and removed meanwhile; its creator then finds it no longer
-// named and loses, removing nothing.
+// for one name exactly one wins: a new object is unlocked for the moment between its creation
+// and its creator's lock, and may be taken for a dead producer's and removed meanwhile; its
+// creator then fails to lock it, or finds it no longer named, and loses, removing nothing.
 ipc::Segment take_name(std::string_view channel, const std::string& name, mode_t mode) {
   for (int round = 0; round < kNameRounds; ++round) {
     std::optional<ipc::Segment> created;
     try {
-      created.emplace(ipc::Segment::create(name, sizeof(ipc::ControlBlock), mode));
+      created.emplace(ipc::Segment::create(name, sizeof(ipc::ControlBlock), mode, ipc::Locks::kKept));
     } catch (const Error& e) {
       if (e.code() != ErrorCode::ChannelExists) throw;
     }
@@ -339,10 +341,7 @@ ipc::Segment take_name(std::string_view channel, const std::string& name, mode_t
       remove_stale_channel(channel, name);
       continue;
     }
-    TENSORBUCKET_TEST_HOOK(before_producer_lock);
-    if (ipc::try_lock(created->descriptor(), ipc::kProducerLockByte) && created->named(name)) {
-      return std::move(*created);
-    }
+    if (created->named(name)) return std::move(*created);  // created locked: see Segment::create
   }
   fail(ErrorCode::ChannelExists, "channel ", Quoted{channel}, " was taken ", kNameRounds,
        " times by other producers while this one tried to create it");

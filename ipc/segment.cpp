@@ -1,6 +1,7 @@
 #include "segment.hpp"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -12,8 +13,10 @@
 
 #include <boost/interprocess/shared_memory_object.hpp>
 
+#include "liveness.hpp"
 #include "serialize/text.hpp"
 #include "tensorbucket/error.hpp"
+#include "test_hooks.hpp"
 
 namespace tensorbucket::ipc {
 
@@ -60,13 +63,13 @@ void allocate_all(int fd, const std::string& name, std::size_t bytes) {
 }
 
 // Our own descriptor of the object, close-on-exec and kept from forked children.
-Descriptor keep(const bip::shared_memory_object& shm, const std::string& name) {
+Descriptor keep(const bip::shared_memory_object& shm, const std::string& name, const ForkPause& pause) {
   int fd = ::fcntl(shm.get_mapping_handle().handle, F_DUPFD_CLOEXEC, 0);
   if (fd < 0) {
     fail(ErrorCode::SystemError, "cannot keep a descriptor of shared memory ", Quoted{name}, ": ",
          std::strerror(errno));
   }
-  return Descriptor(fd);
+  return Descriptor(fd, pause);
 }
 
 bool same_object(int fd, const std::string& name) {
@@ -82,24 +85,42 @@ bool same_object(int fd, const std::string& name) {
 
 }  // namespace
 
-Segment::Segment(Descriptor descriptor, bip::mapped_region region, bool writable)
+Segment::Segment(Descriptor descriptor, bip::mapped_region region, bool writable, Locks locks)
     : descriptor_(std::move(descriptor)),
       region_(std::move(region)),
-      guard_(region_.get_address(), region_.get_size(), writable) {}
+      guard_(region_.get_address(), region_.get_size(), writable, locks == Locks::kNone) {
+  if (locks == Locks::kKept && region_.get_size() != 0) {
+    ::madvise(region_.get_address(), region_.get_size(), MADV_DONTFORK);
+  }
+}
 
 bool Segment::named(const std::string& name) const { return same_object(descriptor(), name); }
 
-Segment Segment::create(const std::string& name, std::size_t bytes, mode_t mode) {
+Segment Segment::create(const std::string& name, std::size_t bytes, mode_t mode, Locks locks) {
+  // With locks: no fork meanwhile, or a child would hold the new object's description, and
+  // so its lock, open (see Locks).
+  std::optional<ForkPause> pause;
+  if (locks == Locks::kKept) pause.emplace();
   try {
     bip::permissions permissions(static_cast<int>(mode));
     bip::shared_memory_object shm(bip::create_only, name.c_str(), bip::read_write, permissions);
-    auto descriptor = keep(shm, name);
+    Descriptor descriptor;
+    if (pause) {
+      descriptor = keep(shm, name, *pause);
+      TENSORBUCKET_TEST_HOOK(before_producer_lock);
+      if (!try_lock(descriptor.get(), kProducerLockByte)) {
+        fail(ErrorCode::ChannelExists, "shared memory ", Quoted{name},
+             " was taken by another producer while this one created it");
+      }
+    }
     try {
-      allocate_all(descriptor.get(), name, bytes);
-      return Segment(std::move(descriptor), bip::mapped_region(shm, bip::read_write), true);
+      allocate_all(shm.get_mapping_handle().handle, name, bytes);
+      bip::mapped_region region(shm, bip::read_write);
+      return Segment(std::move(descriptor), std::move(region), true, locks);
     } catch (...) {
-      // Only if still ours: another producer may have taken the name for a dead one's meanwhile.
-      if (same_object(descriptor.get(), name)) bip::shared_memory_object::remove(name.c_str());
+      // Only what still names our object; holding its lock, nobody can replace it meanwhile.
+      // Without locks the name is a slot's, which only the producer that owns the channel makes.
+      if (!pause || same_object(descriptor.get(), name)) bip::shared_memory_object::remove(name.c_str());
       throw;
     }
   } catch (const bip::interprocess_exception& e) {
@@ -112,8 +133,10 @@ Segment Segment::create(const std::string& name, std::size_t bytes, mode_t mode)
 }
 
 std::optional<Segment> Segment::open(const std::string& name, std::size_t min_bytes,
-                                     bool writable) {
+                                     bool writable, Locks locks) {
   auto mode = writable ? bip::read_write : bip::read_only;
+  std::optional<ForkPause> pause;  // see create()
+  if (locks == Locks::kKept) pause.emplace();
   try {
     bip::shared_memory_object shm(bip::open_only, name.c_str(), mode);
     struct stat status {};
@@ -124,13 +147,20 @@ std::optional<Segment> Segment::open(const std::string& name, std::size_t min_by
       fail(ErrorCode::PermissionDenied, "shared memory ", Quoted{name}, " belongs to uid ",
            status.st_uid, ", not to us (uid ", ::geteuid(), ')');
     }
-    if (static_cast<std::size_t>(status.st_size) < min_bytes) {
-      fail(ErrorCode::SystemError, "shared memory ", Quoted{name}, " has ", status.st_size,
-           " bytes, fewer than the ", min_bytes, " it must hold");
-    }
+    auto too_small = [&](std::uint64_t bytes) {
+      if (bytes < min_bytes) {
+        fail(ErrorCode::SystemError, "shared memory ", Quoted{name}, " has ", bytes,
+             " bytes, fewer than the ", min_bytes, " it must hold");
+      }
+    };
+    too_small(static_cast<std::uint64_t>(status.st_size));
+    auto descriptor = pause ? keep(shm, name, *pause) : Descriptor();
     // An object just created by a producer that has not sized it yet: nothing to map.
-    if (status.st_size == 0) return Segment(keep(shm, name), bip::mapped_region(), writable);
-    return Segment(keep(shm, name), bip::mapped_region(shm, mode), writable);
+    if (status.st_size == 0) return Segment(std::move(descriptor), bip::mapped_region(), writable, locks);
+    bip::mapped_region region(shm, mode);
+    Segment segment(std::move(descriptor), std::move(region), writable, locks);
+    too_small(segment.size());  // mapped at its size then, which may have shrunk since fstat
+    return segment;
   } catch (const bip::interprocess_exception& e) {
     if (e.get_error_code() == bip::not_found_error) return std::nullopt;
     if (e.get_error_code() == bip::security_error) {

@@ -15,18 +15,29 @@
 
 namespace tensorbucket::ipc {
 
+// Whether a segment carries liveness locks (liveness.hpp): the control segment does. Such a
+// segment keeps a descriptor for the locks, and its mapping is not inherited by a forked
+// child: a child's mapping would keep the open file description, and with it the parent's
+// lock, alive after the parent died. The child's handles never touch it (they refuse).
+enum class Locks : bool { kNone, kKept };
+
 class Segment {
  public:
   // Creates `name` exclusively (O_EXCL) with `mode` and `bytes` (zero-filled, all allocated
   // now), mapped read-write. ChannelExists when the name is taken, SystemError otherwise:
-  // among others when `bytes` do not fit in the shared-memory filesystem.
-  static Segment create(const std::string& name, std::size_t bytes, mode_t mode);
+  // among others when `bytes` do not fit in the shared-memory filesystem. With Locks::kKept
+  // the new object's byte 0 (the producer's, liveness.hpp) is locked before it is sized, so
+  // that no other producer takes it for a dead one's, and a failure removes only the name
+  // that still names it; ChannelExists when another producer took it first.
+  static Segment create(const std::string& name, std::size_t bytes, mode_t mode,
+                        Locks locks = Locks::kNone);
 
   // Maps an existing `name`; nullopt when it does not exist. PermissionDenied when another
-  // user owns it or its mode forbids us; SystemError when it is smaller than `min_bytes`
-  // (checked with fstat before mapping; a truncation after that is caught, see damaged()).
+  // user owns it, its mode forbids us, or it is a symbolic link (never followed); SystemError
+  // when it, or the mapping made of it, is smaller than `min_bytes` (a truncation after that
+  // is caught, see damaged()).
   static std::optional<Segment> open(const std::string& name, std::size_t min_bytes,
-                                     bool writable);
+                                     bool writable, Locks locks = Locks::kNone);
 
   // Unlinks `name`; mappings stay valid until unmapped. Missing names are ignored.
   static void remove(const std::string& name) noexcept;
@@ -35,10 +46,11 @@ class Segment {
   std::size_t size() const noexcept { return region_.get_size(); }
   std::span<std::byte> bytes() const noexcept { return {data(), size()}; }
 
-  // The object's descriptor, open as long as this Segment, for locks on it (liveness.hpp).
+  // With Locks::kKept, the object's descriptor, open as long as this Segment, for locks on
+  // it (liveness.hpp); -1 otherwise.
   int descriptor() const noexcept { return descriptor_.get(); }
 
-  // True while `name` names this object: neither unlinked nor replaced by another.
+  // True while `name` names this object: neither unlinked nor replaced. Locks::kKept only.
   bool named(const std::string& name) const;
 
   // True once another process truncated the object under this mapping (fault_guard.hpp):
@@ -46,7 +58,7 @@ class Segment {
   bool damaged() const noexcept { return guard_.damaged(); }
 
  private:
-  Segment(Descriptor descriptor, boost::interprocess::mapped_region region, bool writable);
+  Segment(Descriptor descriptor, boost::interprocess::mapped_region region, bool writable, Locks locks);
   Descriptor descriptor_;
   boost::interprocess::mapped_region region_;
   GuardedRange guard_;  // declared last: unguarded before the region is unmapped

@@ -245,7 +245,7 @@ Subscriber Subscriber::attach(std::string_view channel, std::chrono::millisecond
   std::optional<ipc::Segment> segment;
   for (;;) {
     try {
-      segment = ipc::Segment::open(name, sizeof(ipc::ControlBlock), true);
+      segment = ipc::Segment::open(name, sizeof(ipc::ControlBlock), true, ipc::Locks::kKept);
     } catch (const Error& e) {
       // A producer creates the object, then sizes it: too small may just mean too early.
       if (e.code() != ErrorCode::SystemError || Clock::now() >= deadline) throw;

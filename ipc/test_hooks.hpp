@@ -11,7 +11,7 @@ namespace tensorbucket::ipc::test_hooks {
 inline std::function<void()> before_claim;
 // Subscriber::attach, right after it claimed its record, before it chose where to start.
 inline std::function<void()> after_claim;
-// Publisher::create, after creating the control segment, before locking it.
+// Segment::create of a control segment, after creating the object, before locking it.
 inline std::function<void()> before_producer_lock;
 }  // namespace tensorbucket::ipc::test_hooks
 

@@ -98,6 +98,28 @@ char Signal::receive(std::chrono::milliseconds timeout) {
   return byte;
 }
 
+bool Signal::send_int(std::int64_t value) {
+  return ::write(fds_[1], &value, sizeof value) == static_cast<ssize_t>(sizeof value);
+}
+
+std::optional<std::int64_t> Signal::receive_int(std::chrono::milliseconds timeout) {
+  pollfd ready{fds_[0], POLLIN, 0};
+  std::int64_t value = 0;
+  if (::poll(&ready, 1, static_cast<int>(timeout.count())) != 1 ||
+      ::read(fds_[0], &value, sizeof value) != static_cast<ssize_t>(sizeof value)) {
+    return std::nullopt;
+  }
+  return value;
+}
+
+pid_t fork_sleeper() {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    for (;;) ::pause();
+  }
+  return pid;
+}
+
 std::vector<std::string> segments_of(const std::string& channel) {
   std::vector<std::string> found;
   for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {

@@ -58,11 +58,17 @@ class Signal {
   ~Signal();
   bool send(char byte = 'x');
   char receive(std::chrono::milliseconds timeout = 30s);  // 0 when nothing came
+  bool send_int(std::int64_t value);
+  std::optional<std::int64_t> receive_int(std::chrono::milliseconds timeout = 30s);
   int read_end() const { return fds_[0]; }
 
  private:
   int fds_[2] = {-1, -1};
 };
+
+// Forks a child that sleeps until killed, and returns its pid: a forked worker that outlives
+// the process that made it.
+pid_t fork_sleeper();
 
 // The names in /dev/shm that belong to `channel`.
 std::vector<std::string> segments_of(const std::string& channel);

@@ -62,22 +62,20 @@ int read_to_the_end(Subscriber& subscriber, const Workload& workload, std::uint6
   return previous == last ? kAllReceived : kTooFew;
 }
 
-// A consumer stopped (SIGSTOP) inside the attach window, at each of its two hooks. Before,
-// the record it had claimed still named its previous owner, who had left: the producer freed
-// it as a dead consumer's, a second consumer claimed it, and when that one left, the first
-// was orphaned and silently lost buckets. Now its lock says it lives: the producer waits for
-// it, and it loses nothing. It reads slower than the steady consumer: an orphaned consumer
-// that kept up would lose nothing either.
-class AttachWindow : public Churn, public ::testing::WithParamInterface<const char*> {};
-
-TEST_P(AttachWindow, StoppedConsumerLosesNothing) {
-  const std::string where = GetParam();
+// A consumer stopped (SIGSTOP) right after it claimed its record. Before, the record still
+// named its previous owner, who had left: the producer freed it as a dead consumer's, a second
+// consumer claimed it, and when that one left, the first was orphaned and silently lost
+// buckets. Now its lock says it lives: the producer waits for it, and it loses nothing. It
+// reads slower than the steady consumer: an orphaned consumer that kept up would lose nothing
+// either.
+TEST_F(Churn, ConsumerStoppedAfterItsClaimLosesNothing) {
   Workload workload{.buckets = 500, .tensors = 3, .tensor_bytes = 512, .seed = 21};
   auto publisher = Publisher::create(channel, {.slots = 2});
-  // A consumer that reads a few buckets and leaves, so the next attacher gets a record that
-  // names an owner who is gone.
+  // A consumer that reads a bucket and leaves, so the next attacher gets a record that named
+  // an owner who is gone; and a steady one. Both attached before the first bucket.
   Child previous([&] { return consume(channel, workload, 1); });
   Child steady([&] { return consume(channel, workload, workload.buckets); });
+  ASSERT_TRUE(test::wait_until([&] { return inspect_channel(channel).consumers.size() == 2; }));
   std::atomic<std::uint64_t> published{0};
   std::thread producer([&] {
     for (std::uint64_t i = 0; i < workload.buckets; ++i) {
@@ -94,13 +92,12 @@ TEST_P(AttachWindow, StoppedConsumerLosesNothing) {
   ASSERT_TRUE(test::wait_until([&] { return published >= 10; }));
 
   Child stopped([&] {
-    auto stop = [] { ::raise(SIGSTOP); };
-    (where == "before_claim" ? ipc::test_hooks::before_claim : ipc::test_hooks::after_claim) = stop;
+    ipc::test_hooks::after_claim = [] { ::raise(SIGSTOP); };
     auto subscriber = Subscriber::attach(channel, 10s);
-    ipc::test_hooks::before_claim = ipc::test_hooks::after_claim = nullptr;
+    ipc::test_hooks::after_claim = nullptr;
     return read_to_the_end(subscriber, workload, workload.buckets - 1, 2ms);
   });
-  ASSERT_TRUE(stopped.wait_stopped()) << "the consumer never reached the hook " << where;
+  ASSERT_TRUE(stopped.wait_stopped()) << "the consumer never reached its hook";
   // Meanwhile the producer looks at its record, and another consumer comes, stays while the
   // stopped one resumes, and leaves.
   std::this_thread::sleep_for(100ms);
@@ -123,7 +120,53 @@ TEST_P(AttachWindow, StoppedConsumerLosesNothing) {
   EXPECT_EQ(steady.wait(), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Hooks, AttachWindow, ::testing::Values("before_claim", "after_claim"));
+// A consumer stopped after it took the lock byte of a dead consumer's record, before it
+// claimed the record: the word still names the dead owner and its lease, and the producer,
+// which cannot tell the two apart, waits. Resumed, the attacher takes the record over, leases
+// and all, and reads from the oldest bucket held.
+TEST_F(Churn, ConsumerStoppedBeforeItsClaimTakesOverADeadRecord) {
+  Workload workload{.buckets = 4, .tensors = 2, .tensor_bytes = 256, .seed = 22};
+  auto publisher = Publisher::create(channel, {.slots = 2, .min_consumers = 0});
+  auto publish = [&](std::uint64_t i, std::chrono::milliseconds timeout) {
+    return publisher.publish(cli::make_bucket(workload, i).builder, timeout);
+  };
+  ASSERT_TRUE(publish(0, 1s));
+  test::Signal holding;
+  Child dead([&] {
+    auto subscriber = Subscriber::attach(channel, 10s);
+    auto bucket = subscriber.next(10s);  // held until killed
+    if (!bucket || !holding.send()) return 1;
+    ::pause();
+    return 0;
+  });
+  ASSERT_TRUE(holding.receive());
+  dead.kill_now();
+  test::Tampering control(test::control_name(channel));
+  ASSERT_TRUE(control.mapped());
+  auto& record = control.control().consumers[0];
+  ASSERT_EQ(ipc::claim_leases(ipc::atomic(record.claim).load()), 1u) << "the dead consumer's lease";
+
+  Child stopped([&] {
+    ipc::test_hooks::before_claim = [] { ::raise(SIGSTOP); };
+    auto subscriber = Subscriber::attach(channel, 10s);
+    ipc::test_hooks::before_claim = nullptr;
+    for (std::uint64_t i = 0; i < workload.buckets; ++i) {
+      auto bucket = subscriber.next(10s);
+      if (!bucket || bucket->sequence() != i || !cli::check_bucket(bucket->view(), workload.seed, i).empty()) {
+        return 2;
+      }
+    }
+    return 0;
+  });
+  ASSERT_TRUE(stopped.wait_stopped()) << "the consumer never reached its hook";
+  ASSERT_TRUE(publish(1, 1s));
+  EXPECT_FALSE(publish(2, 100ms)) << "the producer freed a record whose lock byte a live process holds";
+  EXPECT_NE(publisher.waiting_for().find("record 0"), std::string::npos) << publisher.waiting_for();
+  stopped.resume();
+  ASSERT_TRUE(publish(2, 10s)) << publisher.waiting_for();
+  ASSERT_TRUE(publish(3, 10s)) << publisher.waiting_for();
+  EXPECT_EQ(stopped.wait(), 0);
+}
 
 // Every record held by a consumer that died holding a lease, and the producer waiting: an
 // attach must take a dead consumer's record over. Before, it got ChannelFull until the
@@ -146,22 +189,28 @@ TEST_F(Churn, AttachTakesOverRecordsOfDeadConsumers) {
     ASSERT_TRUE(holding.receive());
   }
   for (auto& child : dead) child->kill_now();
-  // The producer waits for bucket 0's slot; the dead hold every record.
-  std::thread producer([&] {
-    for (std::uint64_t i = 1; i < workload.buckets; ++i) {
-      EXPECT_TRUE(publisher.publish(cli::make_bucket(workload, i).builder, 10s)) << publisher.waiting_for();
-    }
-  });
+  // Every record names a dead owner, and the producer has not looked yet: only the attach can
+  // free one.
+  test::Tampering control(test::control_name(channel));
+  ASSERT_TRUE(control.mapped());
+  for (std::uint32_t r = 0; r < kRecords; ++r) {
+    ASSERT_NE(ipc::claim_token(ipc::atomic(control.control().consumers[r].claim).load()), 0u) << r;
+  }
+  test::Signal attached;
   Child replacement([&] {
     auto subscriber = Subscriber::attach(channel, 10s);
+    if (!attached.send()) return 1;
     for (std::uint64_t i = 0; i < workload.buckets; ++i) {
       auto bucket = subscriber.next(10s);
       if (!bucket || !cli::check_bucket(bucket->view(), workload.seed, bucket->sequence()).empty()) return 2;
     }
     return 0;
   });
+  ASSERT_TRUE(attached.receive());
+  for (std::uint64_t i = 1; i < workload.buckets; ++i) {
+    EXPECT_TRUE(publisher.publish(cli::make_bucket(workload, i).builder, 10s)) << publisher.waiting_for();
+  }
   EXPECT_EQ(replacement.wait(), 0);
-  producer.join();
 }
 
 // Consumers attach, read a few buckets and leave, or are killed at random moments (attaching,
@@ -196,6 +245,8 @@ TEST_F(Churn, ConsumersComingAndGoingLoseNothing) {
     return ::write(counts[1], &received, sizeof received) == sizeof received ? kAllReceived : 1;
   };
   Child first(steady), second(steady);
+  // Both from bucket 0: a steady consumer that attached late would start later.
+  ASSERT_TRUE(test::wait_until([&] { return inspect_channel(channel).consumers.size() == 2; }));
 
   std::thread producer([&] {
     for (std::uint64_t i = 0; publishing; ++i) {
@@ -215,7 +266,9 @@ TEST_F(Churn, ConsumersComingAndGoingLoseNothing) {
     for (int c = 0; c < 6; ++c) {
       auto reads = 1 + rng() % 6;
       bool hold_and_exit = rng() % 4 == 0;
-      wave.push_back(std::make_unique<Child>([&, reads, hold_and_exit]() -> int {
+      // Some read slowly: a consumer the producer stopped waiting for would fall behind it.
+      auto pause = std::chrono::microseconds(rng() % 2 == 0 ? 0 : rng() % 3000);
+      wave.push_back(std::make_unique<Child>([&, reads, hold_and_exit, pause]() -> int {
         try {
           auto subscriber = Subscriber::attach(channel, 10s);
           std::optional<std::uint64_t> previous;
@@ -228,6 +281,7 @@ TEST_F(Churn, ConsumersComingAndGoingLoseNothing) {
               return kBadContent;
             }
             previous = bucket->sequence();
+            std::this_thread::sleep_for(pause);
             if (hold_and_exit) held = std::move(bucket);
           }
           if (hold_and_exit) ::_exit(kAllReceived);  // leaves without releasing anything

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "channel_support.hpp"
+#include "ipc/liveness.hpp"
 #include "ipc/test_hooks.hpp"
 #include "support.hpp"
 
@@ -70,6 +71,75 @@ TEST_F(Peers, ConsumerStaysAliveForAProducerWithoutDescriptors) {
       << publisher.waiting_for();
   holder.kill_now();
   EXPECT_TRUE(publish(publisher, workload, 1, 1s)) << "a dead consumer's record was not freed: waited for " << publisher.waiting_for();
+}
+
+// "Cannot tell" is "alive": a lock test that fails (here on no descriptor at all) must never
+// let the producer free a record.
+TEST(Liveness, CannotTellMeansAlive) { EXPECT_TRUE(ipc::held_by_other(-1, ipc::kProducerLockByte)); }
+
+// A process that forked (a data loader's workers) and then died is dead, though its children
+// live: they hold neither its lock nor a mapping that would keep the lock's file description
+// open. Before the control mapping was kept from children, the producer waited for such a
+// consumer, and consumers took such a producer for alive.
+TEST_F(Peers, ConsumerThatDiedIsDeadWhileItsForkedChildLives) {
+  Workload workload{.tensors = 2, .tensor_bytes = 64};
+  auto publisher = Publisher::create(channel, {.slots = 1, .min_consumers = 0});
+  ASSERT_TRUE(publish(publisher, workload, 0));
+  Signal forked;
+  Child consumer([&] {
+    auto subscriber = Subscriber::attach(channel, 10s);
+    auto bucket = subscriber.next(10s);  // held until killed
+    auto worker = test::fork_sleeper();
+    if (!bucket || !forked.send_int(worker)) return 1;
+    ::pause();
+    return 0;
+  });
+  auto worker = forked.receive_int();
+  ASSERT_TRUE(worker.has_value());
+  consumer.kill_now();
+  EXPECT_TRUE(publish(publisher, workload, 1, 5s)) << "waited for " << publisher.waiting_for();
+  ::kill(static_cast<pid_t>(*worker), SIGKILL);
+}
+
+TEST_F(Peers, ProducerThatDiedIsGoneWhileItsForkedChildLives) {
+  Workload workload{.tensors = 2, .tensor_bytes = 64};
+  Signal forked;
+  Child producer([&] {
+    auto publisher = Publisher::create(channel);
+    if (!publish(publisher, workload, 0)) return 1;
+    if (!forked.send_int(test::fork_sleeper())) return 1;
+    ::pause();
+    return 0;
+  });
+  auto worker = forked.receive_int();
+  ASSERT_TRUE(worker.has_value());
+  auto subscriber = Subscriber::attach(channel, 5s);
+  producer.kill_now();
+  EXPECT_EQ(next_bucket(subscriber, 5s).sequence(), 0u);
+  auto start = std::chrono::steady_clock::now();
+  expect_error(ErrorCode::ProducerGone, [&] { subscriber.next(5s); });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 4s);
+  // And its name is free for the next producer.
+  EXPECT_NO_THROW(Publisher::create(channel).close());
+  ::kill(static_cast<pid_t>(*worker), SIGKILL);
+}
+
+// attach() reads max_consumers from shared memory; a peer that raised it lets consumers claim
+// records past the producer's own bound. The producer looks at every record, so their leases
+// hold.
+TEST_F(Peers, ProducerHonoursRecordsPastItsMaxConsumers) {
+  Workload workload{.tensors = 2, .tensor_bytes = 64};
+  auto publisher = Publisher::create(channel, {.slots = 1, .max_consumers = 1, .min_consumers = 0});
+  auto first = Subscriber::attach(channel, 1s);
+  Tampering control(test::control_name(channel));
+  ASSERT_TRUE(control.mapped());
+  ipc::atomic(control.control().max_consumers).store(std::uint16_t{8});
+  auto second = Subscriber::attach(channel, 1s);  // record 1, past the producer's bound
+  ASSERT_TRUE(publish(publisher, workload, 0, 1s));
+  next_bucket(first, 1s).release();
+  auto held = next_bucket(second, 1s);
+  EXPECT_FALSE(publish(publisher, workload, 1, 50ms)) << "bucket 0 was overwritten under a lease";
+  EXPECT_NE(publisher.waiting_for().find("record 1"), std::string::npos) << publisher.waiting_for();
 }
 
 // Before, a generation past the awaited bucket in every slot made next() skip one bucket per
