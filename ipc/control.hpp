@@ -70,7 +70,7 @@ struct alignas(64) SlotControl {
   std::uint64_t publish_start_ns; // CLOCK_MONOTONIC when the producer began this bucket
   std::uint64_t published_ns;     // CLOCK_MONOTONIC when it became visible
   std::uint32_t release_count;    // consumers that released the bucket in the slot
-  std::uint32_t reserved;
+  std::uint32_t manifest_doubt;   // set by a consumer that refused the slot's frame: rewrite it
 };
 
 // Who a process is, for people (inspect, messages), never for liveness: a pid and the pid

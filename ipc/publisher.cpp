@@ -60,6 +60,7 @@ struct detail::PublisherState {
     std::uint64_t payload_capacity = 0;
     std::uint64_t frame_capacity = 0;
     std::uint64_t frame_bytes = 0;
+    std::uint64_t frame_encoding = 0;  // the encoding_id() whose manifest the frame holds, or 0
   };
 
   std::string channel;
@@ -226,6 +227,7 @@ struct detail::PublisherState {
     }();
     if (slot.epoch != 0) ipc::Segment::remove(ipc::slot_segment_name(channel, s, slot.epoch));
     slot.segment = std::move(grown);
+    slot.frame_encoding = 0;
     slot.epoch = epoch;
     slot.payload_capacity = payload_capacity;
     slot.frame_capacity = frame_capacity;
@@ -235,12 +237,20 @@ struct detail::PublisherState {
   // A producer resends its layout every step, so the slot's frame usually holds it already but
   // for the identity fields at its front: writing only the bytes that differ leaves the rest
   // (~60 bytes an entry) in the consumers' caches, where they read it to verify the next
-  // bucket. Compared every time, never assumed: another process may have written there.
-  static void write_manifest(std::byte* to, std::span<const std::byte> manifest_bytes) {
+  // bucket. Which bytes differ is known without a look when this producer wrote the same
+  // encoding there, else found by a compare (~1.5 us for 1000 entries). Another process may
+  // have changed them since: the header hashes the manifest meant, so the consumer refuses
+  // that bucket and sets the slot's manifest_doubt, and the next bucket compares again.
+  void write_manifest(std::uint32_t s, std::byte* to, std::span<const std::byte> manifest_bytes,
+                      std::uint64_t encoding_id) {
     auto front = std::min(manifest_bytes.size(), detail::kIdentityEnd);
     std::memcpy(to, manifest_bytes.data(), front);
+    auto& doubt = shared_slot(s).manifest_doubt;
+    if (slots[s].frame_encoding == encoding_id && ipc::atomic(doubt).load(std::memory_order_relaxed) == 0) return;
+    ipc::atomic(doubt).store(0, std::memory_order_relaxed);
     auto rest = manifest_bytes.subspan(front);
     if (std::memcmp(to + front, rest.data(), rest.size()) != 0) std::memcpy(to + front, rest.data(), rest.size());
+    slots[s].frame_encoding = encoding_id;
   }
 
   // Writes the header and publishes the claimed slot: the bucket's bytes are in place.
@@ -281,7 +291,7 @@ struct detail::PublisherState {
   // timeout, else where the payload goes.
   std::optional<std::byte*> begin(std::uint64_t payload_bytes,
                                   std::span<const std::byte> manifest_bytes,
-                                  std::chrono::milliseconds timeout) {
+                                  std::uint64_t encoding_id, std::chrono::milliseconds timeout) {
     if (closed) fail(ErrorCode::InvalidArgument, "channel ", Quoted{channel}, " is closed");
     refuse_if_forked();
     if (reservation_open) {
@@ -300,7 +310,7 @@ struct detail::PublisherState {
       auto frame_bytes = sizeof(BucketHeader) + manifest_bytes.size();
       auto* base = segment_for(s, payload_bytes, frame_bytes).data();
       auto& slot = slots[s];
-      write_manifest(base + slot.payload_capacity + sizeof(BucketHeader), manifest_bytes);
+      write_manifest(s, base + slot.payload_capacity + sizeof(BucketHeader), manifest_bytes, encoding_id);
       slot.frame_bytes = frame_bytes;
       // Every field, every bucket, from our copy: what a peer wrote there does not last.
       shared.segment_epoch = slot.epoch;
@@ -431,7 +441,7 @@ Publisher::~Publisher() { close(); }
 bool Publisher::publish(const BucketBuilder& bucket, std::chrono::milliseconds timeout) {
   auto manifest_bytes = bucket.encoded_manifest();  // refuses incomplete groups before any claim
   auto payload_bytes = bucket.payload_bytes();
-  auto base = state_->begin(payload_bytes, manifest_bytes, timeout);
+  auto base = state_->begin(payload_bytes, manifest_bytes, bucket.encoding_id(), timeout);
   if (!base) return false;
   try {
     bucket.pack_into({*base, payload_bytes});
@@ -447,7 +457,7 @@ std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
                                               std::chrono::milliseconds timeout) {
   auto manifest_bytes = layout.encoded_manifest();
   auto payload_bytes = layout.payload_bytes();
-  auto base = state_->begin(payload_bytes, manifest_bytes, timeout);
+  auto base = state_->begin(payload_bytes, manifest_bytes, layout.encoding_id(), timeout);
   if (!base) return std::nullopt;
   std::span<std::byte> payload{*base, payload_bytes};
   // Zero the padding between entries, so no bytes of an older bucket travel in it. Only the

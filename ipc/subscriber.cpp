@@ -329,8 +329,19 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
       lease->segment = layout.segment;
       const auto& shared = control->slots[s];
       auto* base = layout.segment->data();
-      auto view = BucketView::open({base + layout.payload_capacity, layout.frame_bytes},
-                                   {base, layout.payload_capacity}, options, &state.manifests);
+      auto view = [&] {
+        try {
+          return BucketView::open({base + layout.payload_capacity, layout.frame_bytes},
+                                  {base, layout.payload_capacity}, options, &state.manifests);
+        } catch (const Error& e) {
+          // A frame changed under the producer, which then compares the next one with what
+          // it means to send instead of assuming the slot still holds it.
+          if (e.code() != ErrorCode::ManifestMismatch) {
+            ipc::atomic(control->slots[s].manifest_doubt).store(1, std::memory_order_relaxed);
+          }
+          throw;
+        }
+      }();
       if (ipc::atomic(generation).load(std::memory_order_acquire) != expected) {
         fail(ErrorCode::Torn, "slot ", s, " of channel ", Quoted{state.channel},
              " was rewritten while bucket ", bucket, " was read");

@@ -1,3 +1,4 @@
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -141,7 +142,11 @@ const Manifest& BucketBuilder::manifest() const {
 }
 
 std::span<const std::byte> BucketBuilder::encoded_manifest() const {
-  if (encoded_.empty()) encoded_ = encode_manifest(manifest());
+  if (encoded_.empty()) {
+    encoded_ = encode_manifest(manifest());
+    static std::atomic<std::uint64_t> encodings = 0;
+    encoding_id_ = ++encodings;
+  }
   return encoded_;
 }
 

@@ -253,8 +253,9 @@ void flip_name(const std::string& segment, std::string_view name) {
 
 // Before, a producer that sent the same unchanged layout again wrote only its identity fields
 // and hashed whatever manifest bytes the slot held: a byte another process flipped there was
-// delivered as verified ('layer.weight' became 'Layer.weight'). Now the slot's bytes are
-// compared with the manifest meant, and the header hashes that manifest, not the slot.
+// delivered as verified ('layer.weight' became 'Layer.weight'). The header's hash is now of the
+// manifest the producer meant: that bucket is refused, the consumer marks the slot, and the
+// producer compares the next bucket's manifest with the slot's bytes and rewrites them.
 class KeptLayout : public Peers, public ::testing::WithParamInterface<bool> {
  protected:
   const float values[4] = {1, 2, 3, 4};
@@ -284,14 +285,16 @@ class KeptLayout : public Peers, public ::testing::WithParamInterface<bool> {
   }
 };
 
-TEST_P(KeptLayout, ManifestChangedInTheSlotIsWrittenAgain) {
+TEST_P(KeptLayout, ManifestChangedInTheSlotIsRefusedThenWrittenAgain) {
   auto subscriber = Subscriber::attach(channel, 1s);
   ASSERT_TRUE(send(1));
   next_bucket(subscriber, 1s).release();
   flip_name(test::slot_name(channel, 0), "layer.weight");
   ASSERT_TRUE(send(2));
+  expect_error(ErrorCode::ChecksumMismatch, [&] { subscriber.next(1s); });
+  ASSERT_TRUE(send(3));
   auto bucket = next_bucket(subscriber, 1s);
-  EXPECT_EQ(bucket.view().version(), 2u);
+  EXPECT_EQ(bucket.view().version(), 3u);
   EXPECT_EQ(bucket.view()[0].name, "layer.weight");
 }
 

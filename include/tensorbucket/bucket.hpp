@@ -88,6 +88,11 @@ class BucketBuilder {
   // once. Valid until the next non-const call.
   std::span<const std::byte> encoded_manifest() const;
 
+  // Names the bytes encoded_manifest() returns but for the identity fields: a new value each
+  // time the builder encodes its manifest anew, the same while it only restamps it. A
+  // producer that already wrote these bytes into a slot rewrites only the identity fields.
+  std::uint64_t encoding_id() const noexcept { return encoding_id_; }
+
   // Copies every entry into `payload` and zeroes the padding between entries. InvalidArgument
   // if `payload` is too small or an entry was declare()d (those are written in place).
   void pack_into(std::span<std::byte> payload) const;
@@ -108,6 +113,7 @@ class BucketBuilder {
   std::unordered_map<std::string, std::string> group_of_member_;
   std::uint64_t payload_bytes_ = 0;
   mutable std::vector<std::byte> encoded_;  // empty until encoded_manifest(), and after changes
+  mutable std::uint64_t encoding_id_ = 0;   // see encoding_id(); 0 before the first encoding
 };
 
 // One entry of a verified bucket; points into the payload (no copy).

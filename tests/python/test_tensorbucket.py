@@ -681,8 +681,8 @@ def test_a_state_dict_built_once_sends_every_steps_weights(channel):
 def test_a_manifest_changed_in_shared_memory_is_not_delivered(channel):
     """Before, a publisher sending the same layout again wrote only its identity fields into
     the slot and hashed whatever manifest bytes the slot held: a byte that another process
-    flipped there ('layer.weight' to 'Layer.weight') was delivered as verified. The slot's
-    bytes are compared with the layout and rewritten now."""
+    flipped there ('layer.weight' to 'Layer.weight') was delivered as verified. That bucket is
+    refused now, and the next one arrives whole."""
     weights = {"layer.weight": torch.ones(4), "layer.bias": torch.zeros(2)}
     publisher = tensorbucket.Publisher(channel, slots=1)
     subscriber = tensorbucket.Subscriber(channel, timeout=5)
@@ -692,8 +692,11 @@ def test_a_manifest_changed_in_shared_memory_is_not_delivered(channel):
         slot.seek(slot.read().index(b"layer.weight"))
         slot.write(b"L")
     publisher.publish(weights, version=2)
+    with pytest.raises(tensorbucket.ChecksumMismatch):
+        subscriber.next(timeout=5)
+    publisher.publish(weights, version=3)
     bucket = subscriber.next(timeout=5)
-    assert bucket.version == 2
+    assert bucket.version == 3
     assert sorted(bucket.keys()) == ["layer.bias", "layer.weight"]
 
 
