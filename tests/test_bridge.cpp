@@ -16,10 +16,7 @@ using namespace std::chrono_literals;
 using test::expect_error;
 using torch_bridge::NamedTensors;
 
-std::string channel_for_test() {
-  return "tbbridge-" + std::to_string(::getpid()) + "-" +
-         ::testing::UnitTest::GetInstance()->current_test_info()->name();
-}
+std::string channel_for_test() { return test::channel_for_this_test("tbbridge"); }
 
 bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
   auto left = a.contiguous(), right = b.contiguous();
@@ -172,7 +169,9 @@ TEST(TorchBridge, ViewsShareSharedMemoryAndHoldTheSlot) {
   auto subscriber = Subscriber::attach(channel, 1s);
   auto bucket = torch_bridge::make_bucket({{"w", torch::randn({64})}});
   ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
-  auto received = std::make_shared<const ReceivedBucket>(std::move(*subscriber.next(1s)));
+  auto next = subscriber.next(1s);
+  ASSERT_TRUE(next.has_value());
+  auto received = std::make_shared<const ReceivedBucket>(std::move(*next));
   const auto* shared_bytes = received->view()[0].bytes.data();
   auto views = torch_bridge::tensors(std::move(received));
   EXPECT_EQ(views[0].second.data_ptr(), shared_bytes);  // no copy
