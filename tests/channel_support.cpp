@@ -165,6 +165,13 @@ ReceivedBucket next_bucket(Subscriber& subscriber, std::chrono::milliseconds tim
   return std::move(*bucket);
 }
 
+int hold_a_bucket(const std::string& channel, Signal& holding) {
+  auto subscriber = Subscriber::attach(channel, 10s);
+  auto bucket = subscriber.next(10s);
+  if (!bucket || !holding.send()) return 1;
+  for (;;) ::pause();
+}
+
 int consume(const std::string& channel, const cli::Workload& workload, std::uint64_t buckets,
             std::chrono::milliseconds pause) {
   auto subscriber = Subscriber::attach(channel, 10s);

@@ -104,6 +104,10 @@ std::string slot_name(const std::string& channel, std::uint32_t slot, std::uint6
 // The next bucket, or an exception (which the test reports) when none comes.
 ReceivedBucket next_bucket(Subscriber& subscriber, std::chrono::milliseconds timeout = 10s);
 
+// A consumer's body that attaches, takes the next bucket, says so through `holding`, and holds
+// it until killed: a consumer that dies holding a lease.
+int hold_a_bucket(const std::string& channel, Signal& holding);
+
 // Receives `buckets` buckets in order, checking every byte; the exit status says how it went.
 int consume(const std::string& channel, const cli::Workload& workload, std::uint64_t buckets,
             std::chrono::milliseconds pause = 0ms);

@@ -500,13 +500,7 @@ TEST_F(Channel, KilledConsumerHoldingALeaseDoesNotStopTheProducer) {
   Workload workload{.buckets = 20, .tensors = 2, .tensor_bytes = 256};
   auto publisher = Publisher::create(channel, {.slots = 2});
   test::Signal holding;
-  Child holder([&] {
-    auto subscriber = Subscriber::attach(channel, 10s);
-    auto bucket = subscriber.next(10s);  // held until killed
-    if (!bucket || !holding.send()) return 1;
-    ::pause();
-    return 0;
-  });
+  Child holder([&] { return test::hold_a_bucket(channel, holding); });
   Child steady([&] { return consume(channel, workload, workload.buckets); });
   ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 10s));
   ASSERT_TRUE(holding.receive());

@@ -132,13 +132,7 @@ TEST_F(Churn, ConsumerStoppedBeforeItsClaimTakesOverADeadRecord) {
   };
   ASSERT_TRUE(publish(0, 1s));
   test::Signal holding;
-  Child dead([&] {
-    auto subscriber = Subscriber::attach(channel, 10s);
-    auto bucket = subscriber.next(10s);  // held until killed
-    if (!bucket || !holding.send()) return 1;
-    ::pause();
-    return 0;
-  });
+  Child dead([&] { return test::hold_a_bucket(channel, holding); });
   ASSERT_TRUE(holding.receive());
   dead.kill_now();
   test::Tampering control(test::control_name(channel));
@@ -179,13 +173,7 @@ TEST_F(Churn, AttachTakesOverRecordsOfDeadConsumers) {
   std::vector<std::unique_ptr<Child>> dead;
   test::Signal holding;
   for (std::uint32_t c = 0; c < kRecords; ++c) {
-    dead.push_back(std::make_unique<Child>([&] {
-      auto subscriber = Subscriber::attach(channel, 10s);
-      auto bucket = subscriber.next(10s);  // held until killed
-      if (!bucket || !holding.send()) return 1;
-      ::pause();
-      return 0;
-    }));
+    dead.push_back(std::make_unique<Child>([&] { return test::hold_a_bucket(channel, holding); }));
     ASSERT_TRUE(holding.receive());
   }
   for (auto& child : dead) child->kill_now();

@@ -46,13 +46,7 @@ TEST_F(Peers, ConsumerStaysAliveForAProducerWithoutDescriptors) {
   auto publisher = Publisher::create(channel, {.slots = 1, .min_consumers = 0});
   ASSERT_TRUE(publish(publisher, workload, 0));
   Signal holding;
-  Child holder([&] {
-    auto subscriber = Subscriber::attach(channel, 10s);
-    auto bucket = subscriber.next(10s);
-    if (!bucket || !holding.send()) return 1;
-    ::pause();
-    return 0;
-  });
+  Child holder([&] { return test::hold_a_bucket(channel, holding); });
   ASSERT_TRUE(holding.receive());
 
   rlimit saved{};
