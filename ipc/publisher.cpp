@@ -51,15 +51,14 @@ std::string describe(const ipc::ProcessLabel& process) {
 }  // namespace
 
 struct detail::PublisherState {
-  // What this producer wrote into a slot's SlotControl, kept here: shared memory is read back
-  // by nobody's word, since any consumer can write it.
+  // What this producer wrote into a slot's SlotControl, kept here and never read back from
+  // shared memory, which any consumer can write.
   struct Slot {
     std::optional<ipc::Segment> segment;
     std::uint64_t generation = 0;  // 0 or 2(b+1), as last published
     std::uint64_t epoch = 0;
     std::uint64_t payload_capacity = 0;
     std::uint64_t frame_capacity = 0;
-    std::uint64_t frame_bytes = 0;
     std::uint64_t frame_encoding = 0;  // the encoding_id() whose manifest the frame holds, or 0
   };
 
@@ -311,7 +310,6 @@ struct detail::PublisherState {
       auto* base = segment_for(s, payload_bytes, frame_bytes).data();
       auto& slot = slots[s];
       write_manifest(s, base + slot.payload_capacity + sizeof(BucketHeader), manifest_bytes, encoding_id);
-      slot.frame_bytes = frame_bytes;
       // Every field, every bucket, from our copy: what a peer wrote there does not last.
       shared.segment_epoch = slot.epoch;
       shared.segment_bytes = slot.payload_capacity + slot.frame_capacity;
