@@ -15,8 +15,10 @@ namespace {
 
 // A fixed table, so that the handler reads it without locks or allocation. Entries change
 // under `writers`; the handler reads one as a seqlock: `sequence` is odd while the entry
-// changes, and an entry read between two equal even values is whole. An entry whose bounds
-// are 0 is free.
+// changes, and an entry read between two equal even values is whole. Every access is seq_cst
+// (no fences, which ThreadSanitizer does not support): a field read that saw a write made
+// after the first increment puts that increment before the second read of `sequence`. An
+// entry whose bounds are 0 is free.
 struct Range {
   std::atomic<std::uint64_t> sequence{0};
   std::atomic<std::uintptr_t> begin{0};
@@ -35,14 +37,13 @@ std::uintptr_t page_bytes = 4096;  // read once, before the handler is installed
 // Rewrites entry `i` (under `writers`).
 void set(int i, std::uintptr_t begin, std::uintptr_t end, bool writable, bool inherited) {
   auto& range = ranges[i];
-  range.sequence.fetch_add(1, std::memory_order_acq_rel);  // odd: changing
-  std::atomic_thread_fence(std::memory_order_release);
-  range.begin.store(begin, std::memory_order_relaxed);
-  range.end.store(end, std::memory_order_relaxed);
-  range.writable.store(writable, std::memory_order_relaxed);
-  range.inherited.store(inherited, std::memory_order_relaxed);
-  range.damaged.store(false, std::memory_order_relaxed);
-  range.sequence.fetch_add(1, std::memory_order_release);  // even: whole
+  range.sequence.fetch_add(1);  // odd: changing
+  range.begin.store(begin);
+  range.end.store(end);
+  range.writable.store(writable);
+  range.inherited.store(inherited);
+  range.damaged.store(false);
+  range.sequence.fetch_add(1);  // even: whole
 }
 
 void pass_on(int signal, siginfo_t* info, void* context) {
@@ -62,12 +63,11 @@ void pass_on(int signal, siginfo_t* info, void* context) {
 void on_sigbus(int signal, siginfo_t* info, void* context) {
   auto address = reinterpret_cast<std::uintptr_t>(info->si_addr);
   for (auto& range : ranges) {
-    auto before = range.sequence.load(std::memory_order_acquire);
-    auto begin = range.begin.load(std::memory_order_relaxed);
-    auto end = range.end.load(std::memory_order_relaxed);
-    bool writable = range.writable.load(std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_acquire);
-    if (before % 2 != 0 || range.sequence.load(std::memory_order_relaxed) != before) continue;
+    auto before = range.sequence.load();
+    auto begin = range.begin.load();
+    auto end = range.end.load();
+    bool writable = range.writable.load();
+    if (before % 2 != 0 || range.sequence.load() != before) continue;
     if (info->si_code <= 0 || address < begin || address >= end) continue;
     auto from = address / page_bytes * page_bytes;
     int protection = writable ? PROT_READ | PROT_WRITE : PROT_READ;
@@ -75,7 +75,7 @@ void on_sigbus(int signal, siginfo_t* info, void* context) {
     void* mapped = ::mmap(reinterpret_cast<void*>(from), end - from, protection,
                           MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (mapped == MAP_FAILED) break;
-    range.damaged.store(true, std::memory_order_release);
+    range.damaged.store(true);
     return;
   }
   pass_on(signal, info, context);
@@ -85,7 +85,7 @@ void on_sigbus(int signal, siginfo_t* info, void* context) {
 // mapping may come there, whose faults are not ours to hide.
 void forget_uninherited() {
   for (int i = 0; i < kRanges; ++i) {
-    if (ranges[i].end.load(std::memory_order_relaxed) != 0 && !ranges[i].inherited.load()) set(i, 0, 0, false, false);
+    if (ranges[i].end.load() != 0 && !ranges[i].inherited.load()) set(i, 0, 0, false, false);
   }
   writers.unlock();
 }
@@ -108,7 +108,7 @@ GuardedRange::GuardedRange(void* begin, std::size_t bytes, bool writable, bool i
   std::call_once(installed, install_handler);
   std::lock_guard lock(writers);
   for (int i = 0; i < kRanges; ++i) {
-    if (ranges[i].end.load(std::memory_order_relaxed) != 0) continue;
+    if (ranges[i].end.load() != 0) continue;
     auto first = reinterpret_cast<std::uintptr_t>(begin);
     set(i, first, first + bytes, writable, inherited);
     index_ = i;
@@ -135,7 +135,7 @@ void GuardedRange::reset() noexcept {
 }
 
 bool GuardedRange::damaged() const noexcept {
-  return index_ >= 0 && ranges[index_].damaged.load(std::memory_order_acquire);
+  return index_ >= 0 && ranges[index_].damaged.load();
 }
 
 }  // namespace tensorbucket::ipc

@@ -88,90 +88,110 @@ bool same_object(int fd, const std::string& name) {
 Segment::Segment(Descriptor descriptor, bip::mapped_region region, bool writable, Locks locks)
     : descriptor_(std::move(descriptor)),
       region_(std::move(region)),
-      guard_(region_.get_address(), region_.get_size(), writable, locks == Locks::kNone) {
-  if (locks == Locks::kKept && region_.get_size() != 0) {
-    ::madvise(region_.get_address(), region_.get_size(), MADV_DONTFORK);
-  }
-}
+      guard_(region_.get_address(), region_.get_size(), writable, locks == Locks::kNone) {}
 
 bool Segment::named(const std::string& name) const { return same_object(descriptor(), name); }
 
+namespace {
+
+// What a Locks::kKept segment needs kept from forked children, made while no fork can happen
+// (ForkPause): Boost's descriptor, which shares the kept one's open file description, is
+// closed by then, and the mapping, which references it too, is not inherited. The Segment
+// itself (its GuardedRange) is made after the pause: forks take the guard's lock after ours.
+struct Mapped {
+  Descriptor descriptor;
+  bip::mapped_region region;
+};
+
+void keep_from_children(const bip::mapped_region& region) {
+  if (region.get_size() != 0) ::madvise(region.get_address(), region.get_size(), MADV_DONTFORK);
+}
+
+}  // namespace
+
 Segment Segment::create(const std::string& name, std::size_t bytes, mode_t mode, Locks locks) {
-  // With locks: no fork meanwhile, or a child would hold the new object's description, and
-  // so its lock, open (see Locks).
-  std::optional<ForkPause> pause;
-  if (locks == Locks::kKept) pause.emplace();
-  try {
-    bip::permissions permissions(static_cast<int>(mode));
-    bip::shared_memory_object shm(bip::create_only, name.c_str(), bip::read_write, permissions);
-    Descriptor descriptor;
-    if (pause) {
-      descriptor = keep(shm, name, *pause);
-      TENSORBUCKET_TEST_HOOK(before_producer_lock);
-      if (!try_lock(descriptor.get(), kProducerLockByte)) {
-        fail(ErrorCode::ChannelExists, "shared memory ", Quoted{name},
-             " was taken by another producer while this one created it");
-      }
-    }
+  auto mapped = [&] {
+    std::optional<ForkPause> pause;
+    if (locks == Locks::kKept) pause.emplace();
     try {
-      allocate_all(shm.get_mapping_handle().handle, name, bytes);
-      bip::mapped_region region(shm, bip::read_write);
-      return Segment(std::move(descriptor), std::move(region), true, locks);
-    } catch (...) {
-      // Only what still names our object; holding its lock, nobody can replace it meanwhile.
-      // Without locks the name is a slot's, which only the producer that owns the channel makes.
-      if (!pause || same_object(descriptor.get(), name)) bip::shared_memory_object::remove(name.c_str());
-      throw;
+      bip::permissions permissions(static_cast<int>(mode));
+      bip::shared_memory_object shm(bip::create_only, name.c_str(), bip::read_write, permissions);
+      Descriptor descriptor;
+      if (pause) {
+        descriptor = keep(shm, name, *pause);
+        TENSORBUCKET_TEST_HOOK(before_producer_lock);
+        if (!try_lock(descriptor.get(), kProducerLockByte)) {
+          fail(ErrorCode::ChannelExists, "shared memory ", Quoted{name},
+               " was taken by another producer while this one created it");
+        }
+      }
+      try {
+        allocate_all(shm.get_mapping_handle().handle, name, bytes);
+        bip::mapped_region region(shm, bip::read_write);
+        if (pause) keep_from_children(region);
+        return Mapped{std::move(descriptor), std::move(region)};
+      } catch (...) {
+        // Only what still names our object; holding its lock, nobody can replace it meanwhile.
+        // Without locks the name is a slot's, which only the producer owning the channel makes.
+        if (!pause || same_object(descriptor.get(), name)) bip::shared_memory_object::remove(name.c_str());
+        throw;
+      }
+    } catch (const bip::interprocess_exception& e) {
+      if (e.get_error_code() == bip::already_exists_error) {
+        fail(ErrorCode::ChannelExists, "shared memory ", Quoted{name}, " already exists");
+      }
+      fail(ErrorCode::SystemError, "cannot create shared memory ", Quoted{name}, " of ", bytes,
+           " bytes: ", e.what());
     }
-  } catch (const bip::interprocess_exception& e) {
-    if (e.get_error_code() == bip::already_exists_error) {
-      fail(ErrorCode::ChannelExists, "shared memory ", Quoted{name}, " already exists");
-    }
-    fail(ErrorCode::SystemError, "cannot create shared memory ", Quoted{name}, " of ", bytes,
-         " bytes: ", e.what());
-  }
+  }();
+  return Segment(std::move(mapped.descriptor), std::move(mapped.region), true, locks);
 }
 
 std::optional<Segment> Segment::open(const std::string& name, std::size_t min_bytes,
                                      bool writable, Locks locks) {
   auto mode = writable ? bip::read_write : bip::read_only;
-  std::optional<ForkPause> pause;  // see create()
-  if (locks == Locks::kKept) pause.emplace();
-  try {
-    bip::shared_memory_object shm(bip::open_only, name.c_str(), mode);
-    struct stat status {};
-    if (::fstat(shm.get_mapping_handle().handle, &status) != 0) {
-      fail(ErrorCode::SystemError, "cannot stat shared memory ", Quoted{name});
+  auto too_small = [&](std::uint64_t bytes) {
+    if (bytes < min_bytes) {
+      fail(ErrorCode::SystemError, "shared memory ", Quoted{name}, " has ", bytes,
+           " bytes, fewer than the ", min_bytes, " it must hold");
     }
-    if (status.st_uid != ::geteuid()) {
-      fail(ErrorCode::PermissionDenied, "shared memory ", Quoted{name}, " belongs to uid ",
-           status.st_uid, ", not to us (uid ", ::geteuid(), ')');
-    }
-    auto too_small = [&](std::uint64_t bytes) {
-      if (bytes < min_bytes) {
-        fail(ErrorCode::SystemError, "shared memory ", Quoted{name}, " has ", bytes,
-             " bytes, fewer than the ", min_bytes, " it must hold");
+  };
+  auto mapped = [&]() -> std::optional<Mapped> {
+    std::optional<ForkPause> pause;  // see Mapped
+    if (locks == Locks::kKept) pause.emplace();
+    try {
+      bip::shared_memory_object shm(bip::open_only, name.c_str(), mode);
+      struct stat status {};
+      if (::fstat(shm.get_mapping_handle().handle, &status) != 0) {
+        fail(ErrorCode::SystemError, "cannot stat shared memory ", Quoted{name});
       }
-    };
-    too_small(static_cast<std::uint64_t>(status.st_size));
-    auto descriptor = pause ? keep(shm, name, *pause) : Descriptor();
-    // An object just created by a producer that has not sized it yet: nothing to map.
-    if (status.st_size == 0) return Segment(std::move(descriptor), bip::mapped_region(), writable, locks);
-    bip::mapped_region region(shm, mode);
-    Segment segment(std::move(descriptor), std::move(region), writable, locks);
-    too_small(segment.size());  // mapped at its size then, which may have shrunk since fstat
-    return segment;
-  } catch (const bip::interprocess_exception& e) {
-    if (e.get_error_code() == bip::not_found_error) return std::nullopt;
-    if (e.get_error_code() == bip::security_error) {
-      fail(ErrorCode::PermissionDenied, "no permission to open shared memory ", Quoted{name});
+      if (status.st_uid != ::geteuid()) {
+        fail(ErrorCode::PermissionDenied, "shared memory ", Quoted{name}, " belongs to uid ",
+             status.st_uid, ", not to us (uid ", ::geteuid(), ')');
+      }
+      too_small(static_cast<std::uint64_t>(status.st_size));
+      auto descriptor = pause ? keep(shm, name, *pause) : Descriptor();
+      // An object just created by a producer that has not sized it yet: nothing to map.
+      if (status.st_size == 0) return Mapped{std::move(descriptor), bip::mapped_region()};
+      bip::mapped_region region(shm, mode);
+      if (pause) keep_from_children(region);
+      return Mapped{std::move(descriptor), std::move(region)};
+    } catch (const bip::interprocess_exception& e) {
+      if (e.get_error_code() == bip::not_found_error) return std::nullopt;
+      if (e.get_error_code() == bip::security_error) {
+        fail(ErrorCode::PermissionDenied, "no permission to open shared memory ", Quoted{name});
+      }
+      if (e.get_native_error() == ELOOP) {  // shm_open opens with O_NOFOLLOW
+        fail(ErrorCode::PermissionDenied, "shared memory ", Quoted{name},
+             " is a symbolic link, which is never followed: remove it or use another channel name");
+      }
+      fail(ErrorCode::SystemError, "cannot open shared memory ", Quoted{name}, ": ", e.what());
     }
-    if (e.get_native_error() == ELOOP) {  // shm_open opens with O_NOFOLLOW
-      fail(ErrorCode::PermissionDenied, "shared memory ", Quoted{name},
-           " is a symbolic link, which is never followed: remove it or use another channel name");
-    }
-    fail(ErrorCode::SystemError, "cannot open shared memory ", Quoted{name}, ": ", e.what());
-  }
+  }();
+  if (!mapped) return std::nullopt;
+  Segment segment(std::move(mapped->descriptor), std::move(mapped->region), writable, locks);
+  too_small(segment.size());  // mapped at its size then, which may have shrunk since fstat
+  return segment;
 }
 
 void Segment::remove(const std::string& name) noexcept {
