@@ -131,6 +131,18 @@ std::vector<std::string> segments_of(const std::string& channel) {
   return found;
 }
 
+bool wait_for_channel(const std::string& channel) {
+  return wait_until([&] {
+    try {
+      inspect_channel(channel);
+      return true;
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::ChannelMissing) throw;
+      return false;
+    }
+  });
+}
+
 Tampering::Tampering(const std::string& segment) {
   fd_ = ::shm_open(("/" + segment).c_str(), O_RDWR, 0);
   if (fd_ < 0) return;

@@ -73,6 +73,10 @@ pid_t fork_sleeper();
 // The names in /dev/shm that belong to `channel`.
 std::vector<std::string> segments_of(const std::string& channel);
 
+// Waits until a producer finished creating `channel`: its segment can exist, still unsized,
+// for a moment before the channel does.
+bool wait_for_channel(const std::string& channel);
+
 // A channel named after the test, and a check that none of its segments is left behind.
 class ChannelTest : public ::testing::Test {
  protected:

@@ -94,7 +94,7 @@ TEST_F(Churn, ConsumerStoppedAfterItsClaimLosesNothing) {
       return std::uint64_t{0};
     }
   };
-  ASSERT_TRUE(test::wait_until([&] { return !test::segments_of(channel).empty(); }));
+  ASSERT_TRUE(test::wait_for_channel(channel));
   // A consumer that reads a bucket and leaves, so the next attacher gets a record that named
   // an owner who is gone; and a steady one. Both attached before the first bucket.
   Child previous([&] { return consume(channel, workload, 1); });
@@ -239,7 +239,7 @@ TEST_F(Churn, ConsumersComingAndGoingLoseNothing) {
     publisher.close();
     return published_count.send_int(static_cast<std::int64_t>(published)) ? 0 : 1;
   });
-  ASSERT_TRUE(test::wait_until([&] { return !test::segments_of(channel).empty(); }));
+  ASSERT_TRUE(test::wait_for_channel(channel));
 
   // A steady consumer reads every bucket until the producer is gone, then reports how many.
   test::Signal counts;
