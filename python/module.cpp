@@ -587,6 +587,13 @@ void load_into(const py::object& module, const py::handle& tensors) {
   OutsideGil::run([&] { torch_bridge::load_into(targets, sources); });
 }
 
+// Sets `type` as the pending Python error. PyErr_SetString, not exception::operator()
+// (deprecated in pybind11 2.12) nor set_error() (new in 2.12): the module builds with whichever
+// pybind11 its torch ships.
+void raise_as(const py::exception<Error>& type, const std::string& message) {
+  PyErr_SetString(type.ptr(), message.c_str());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(tensorbucket, m) {
@@ -610,18 +617,18 @@ PYBIND11_MODULE(tensorbucket, m) {
     try {
       if (raised) std::rethrow_exception(raised);
     } catch (const PublishTimeout&) {
-      timeout("Timeout: no slot came free in time; nothing was published");
+      raise_as(timeout, "Timeout: no slot came free in time; nothing was published");
     } catch (const Error& e) {
       auto message = std::string(to_string(e.code())) + ": " + e.what();
       switch (e.code()) {
-        case ErrorCode::ChecksumMismatch: checksum_mismatch(message.c_str()); return;
-        case ErrorCode::ProducerGone: producer_gone(message.c_str()); return;
+        case ErrorCode::ChecksumMismatch: raise_as(checksum_mismatch, message); return;
+        case ErrorCode::ProducerGone: raise_as(producer_gone, message); return;
         case ErrorCode::ChannelExists:
         case ErrorCode::ChannelMissing:
         case ErrorCode::PermissionDenied:
-        case ErrorCode::ChannelFull: channel_error(message.c_str()); return;
+        case ErrorCode::ChannelFull: raise_as(channel_error, message); return;
         case ErrorCode::InvalidArgument:
-        case ErrorCode::SystemError: error(message.c_str()); return;
+        case ErrorCode::SystemError: raise_as(error, message); return;
         // Every way a bucket fails verification. Listed, not a default: a new code must be
         // placed here on purpose (the compiler names a missing one).
         case ErrorCode::MissingManifest:
@@ -638,7 +645,7 @@ PYBIND11_MODULE(tensorbucket, m) {
         case ErrorCode::IncompleteGroup:
         case ErrorCode::Unmaterialized:
         case ErrorCode::ManifestMismatch:
-        case ErrorCode::Torn: manifest_error(message.c_str()); return;
+        case ErrorCode::Torn: raise_as(manifest_error, message); return;
       }
     }
   });

@@ -1,0 +1,57 @@
+// The CUDA toolchain, end to end: the runtime nvcc linked answers, a kernel nvcc compiled runs
+// on every device, and the CUDA libraries of the torch we build against load. Where there is
+// no driver or no device (CI), what needs one is skipped, saying why.
+#include <dlfcn.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "device_query.hpp"
+
+namespace tensorbucket {
+namespace {
+
+TEST(Cuda, RuntimeAnswersWithoutADevice) {
+  auto report = cuda::query_devices();
+  EXPECT_GE(report.runtime_version, 12000);
+  if (report.devices.empty()) {
+    EXPECT_FALSE(report.error.empty()) << "no device, and no reason given";
+  } else {
+    EXPECT_TRUE(report.error.empty()) << report.error;
+    EXPECT_GE(report.driver_version, report.runtime_version)
+        << "the driver is older than the runtime it runs";
+  }
+}
+
+TEST(Cuda, KernelRunsOnEveryDevice) {
+  auto report = cuda::query_devices();
+  if (report.devices.empty()) GTEST_SKIP() << "no CUDA device: " << report.error;
+  for (int device = 0; device < static_cast<int>(report.devices.size()); ++device) {
+    SCOPED_TRACE(report.devices[device]);
+    std::string error;
+    constexpr int kCount = 1000;  // more than one block
+    auto values = cuda::run_probe_kernel(device, kCount, error);
+    ASSERT_EQ(values.size(), static_cast<std::size_t>(kCount)) << error;
+    for (int i = 0; i < kCount; ++i) ASSERT_EQ(values[i], 3 * i + 1) << "at " << i;
+  }
+}
+
+// TORCH_CUDA_LIBRARIES: the paths of torch's CUDA libraries (meson sets it where torch was
+// built for CUDA). They load, with every library they need, even on a machine without a GPU.
+TEST(Cuda, TorchCudaLibrariesLoad) {
+  const char* paths = std::getenv("TORCH_CUDA_LIBRARIES");
+  if (paths == nullptr) GTEST_SKIP() << "this build's torch has no CUDA libraries";
+  std::string list = paths;
+  for (std::size_t start = 0; start < list.size();) {
+    auto end = std::min(list.find(':', start), list.size());
+    auto path = list.substr(start, end - start);
+    void* library = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    EXPECT_NE(library, nullptr) << path << ": " << ::dlerror();
+    if (library != nullptr) ::dlclose(library);
+    start = end + 1;
+  }
+}
+
+}  // namespace
+}  // namespace tensorbucket
