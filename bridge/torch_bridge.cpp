@@ -19,14 +19,18 @@ struct Pair {
   at::ScalarType type;
 };
 
-// The manifest dtypes torch 1.13 has. U16, U32, U64 and the F8 types have no torch dtype
-// here; they still travel between C++ peers, but do not become torch tensors.
+// Every manifest dtype has a torch dtype (torch 2.3 added the unsigned ones). F8_E4M3 is
+// safetensors' name for float8_e4m3fn. Torch dtypes not here (complex, quantized, the fnuz and
+// e8m0 float8 variants, float4, sub-byte integers) have no manifest dtype and are refused.
 constexpr Pair kPairs[] = {
-    {DType::BOOL, at::kBool},  {DType::U8, at::kByte},     {DType::I8, at::kChar},
-    {DType::I16, at::kShort},  {DType::I32, at::kInt},     {DType::I64, at::kLong},
-    {DType::F16, at::kHalf},   {DType::BF16, at::kBFloat16}, {DType::F32, at::kFloat},
-    {DType::F64, at::kDouble},
+    {DType::BOOL, at::kBool},      {DType::U8, at::kByte},         {DType::I8, at::kChar},
+    {DType::I16, at::kShort},      {DType::U16, at::kUInt16},      {DType::I32, at::kInt},
+    {DType::U32, at::kUInt32},     {DType::I64, at::kLong},        {DType::U64, at::kUInt64},
+    {DType::F16, at::kHalf},       {DType::BF16, at::kBFloat16},   {DType::F32, at::kFloat},
+    {DType::F64, at::kDouble},     {DType::F8_E4M3, at::kFloat8_e4m3fn},
+    {DType::F8_E5M2, at::kFloat8_e5m2},
 };
+static_assert(std::size(kPairs) == kDTypeCount, "a manifest dtype without a torch dtype");
 
 // kPairs by manifest dtype, for what runs once per tensor (the check of every step, each view):
 // searching kPairs took a fifth of the check. Undefined where torch has no such dtype.
@@ -240,8 +244,10 @@ DType dtype_of(at::ScalarType type, const std::string& entry) {
   for (const auto& pair : kPairs) {
     if (pair.type == type) return pair.dtype;
   }
-  fail(ErrorCode::UnsupportedDtype, "entry ", Quoted{entry}, " has torch dtype ",
-       c10::toString(type), ", which has no manifest dtype");
+  // Named as Python and C++ write it: torch.complex64 is ComplexFloat.
+  fail(ErrorCode::UnsupportedDtype, "entry ", Quoted{entry}, " has dtype torch.",
+       std::string(c10::getDtypeNames(type).first), " (", c10::toString(type),
+       "), which has no manifest dtype");
 }
 
 at::ScalarType scalar_type_of(DType dtype, const std::string& entry) {

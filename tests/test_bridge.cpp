@@ -8,6 +8,9 @@
 
 #include "support.hpp"
 #include "tensorbucket/torch.hpp"
+#ifdef TENSORBUCKET_CUDA
+#include "device_query.hpp"
+#endif
 
 namespace tensorbucket {
 namespace {
@@ -31,12 +34,17 @@ NamedTensors every_dtype() {
       {"u8", torch::randint(0, 255, {3, 5}).to(at::kByte)},
       {"i8", torch::randint(-128, 127, {9}).to(at::kChar)},
       {"i16", torch::randint(-30000, 30000, {2, 2, 2}).to(at::kShort)},
+      {"u16", torch::randint(0, 65535, {5}).to(at::kUInt16)},
       {"i32", torch::randint(-100000, 100000, {11}).to(at::kInt)},
+      {"u32", torch::randint(0, 4000000000, {3}).to(at::kUInt32)},
       {"i64", torch::randint(-1000000, 1000000, {4}).to(at::kLong)},
+      {"u64", torch::randint(0, 1LL << 62, {2}).to(at::kUInt64)},
       {"f16", torch::randn({6}).to(at::kHalf)},
       {"bf16", torch::randn({3, 3}).to(at::kBFloat16)},
       {"f32", torch::randn({17})},
       {"f64", torch::randn({2, 8}, at::kDouble)},
+      {"f8_e4m3", torch::randn({6}).to(at::kFloat8_e4m3fn)},
+      {"f8_e5m2", torch::randn({2, 3}).to(at::kFloat8_e5m2)},
       {"scalar", torch::tensor(3.5)},
       {"empty", torch::empty({0, 4})},
   };
@@ -219,18 +227,24 @@ TEST_P(LoadInto, CopiesEveryParameterAndBuffer) {
   EXPECT_EQ(torch_bridge::expected_manifest(server).entries.size(), sent.size());
 }
 
-// U16 travels between C++ peers, but torch 1.13 has no such dtype: no view is made.
-TEST(TorchBridge, ADtypeTorchLacksIsRefusedNamingTheEntry) {
-  float f[1] = {0.5f};
-  std::uint16_t counts[3] = {1, 2, 3};
-  BucketBuilder builder;
-  builder.add("f", DType::F32, {1}, f);
-  builder.add("counts", DType::U16, {3}, counts);
-  auto packed = builder.pack();
-  auto view = BucketView::open(packed.frame, packed.payload.span());
-  auto message = expect_error(ErrorCode::UnsupportedDtype, [&] { torch_bridge::tensors(view); });
-  EXPECT_NE(message.find("'counts'"), std::string::npos) << message;
-  EXPECT_NE(message.find("U16"), std::string::npos) << message;
+// Every manifest dtype becomes a torch tensor, and back (torch 1.13 had no U16, U32, U64, F8).
+TEST(TorchBridge, EveryManifestDtypeIsATorchDtype) {
+  for (std::size_t i = 0; i < kDTypeCount; ++i) {
+    auto dtype = static_cast<DType>(i);
+    EXPECT_EQ(torch_bridge::dtype_of(torch_bridge::scalar_type_of(dtype)), dtype) << dtype_name(dtype);
+  }
+}
+
+// Torch dtypes that have no manifest dtype are refused, naming the entry and the dtype, and
+// nothing is built.
+TEST(TorchBridge, TorchDtypesWithoutAManifestDtypeAreRefusedNamingThem) {
+  for (auto type : {at::kFloat8_e4m3fnuz, at::kFloat8_e5m2fnuz, at::kComplexHalf, at::kComplexFloat}) {
+    NamedTensors tensors{{"fine", torch::ones({2})}, {"odd", torch::zeros({3}).to(type)}};
+    auto message = expect_error(ErrorCode::UnsupportedDtype,
+                                [&] { torch_bridge::make_bucket(tensors); });
+    EXPECT_NE(message.find("'odd'"), std::string::npos) << message;
+    EXPECT_NE(message.find(c10::toString(type)), std::string::npos) << message;
+  }
 }
 
 TEST_P(LoadInto, IsStrictAndCopiesNothingOnMismatch) {
@@ -313,6 +327,16 @@ TEST_P(LoadInto, RefusesMetaTargetsAndCopiesNothing) {
   EXPECT_NE(message.find("'meta.w', 'meta.b'"), std::string::npos) << message;
   EXPECT_TRUE(torch::equal(real, torch::zeros({2})));
 }
+
+#ifdef TENSORBUCKET_CUDA
+// Torch's CUDA runtime and the one nvcc linked us with see the same devices.
+TEST(TorchBridge, TorchSeesTheDevicesTheCudaRuntimeSees) {
+  auto report = cuda::query_devices();
+  if (report.devices.empty()) GTEST_SKIP() << "no CUDA device: " << report.error;
+  EXPECT_TRUE(torch::cuda::is_available());
+  EXPECT_EQ(torch::cuda::device_count(), report.devices.size());
+}
+#endif
 
 }  // namespace
 }  // namespace tensorbucket
