@@ -1,0 +1,41 @@
+"""The module that `pip install --no-build-isolation .` put into this environment, not the
+build folder's: scripts/test installs it, then runs these with no PYTHONPATH."""
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import tensorbucket
+import torch
+
+
+def test_the_module_under_test_is_the_installed_one():
+    installed = Path(sysconfig.get_paths()["platlib"]).resolve()
+    assert Path(tensorbucket.__file__).resolve().parent == installed
+
+
+# The consumer imports tensorbucket before torch: the installed module finds torch's libraries
+# by itself (its rpath), where a build folder's module relied on the path it was built with.
+CONSUMER = textwrap.dedent("""
+    import sys
+    import tensorbucket
+    subscriber = tensorbucket.Subscriber(sys.argv[1], timeout=30)
+    with subscriber.next(timeout=30) as bucket:
+        weight = bucket["weight"]
+        print(bucket.version, weight.dtype, tuple(weight.shape), float(weight.sum()))
+""")
+
+
+def test_a_tensor_crosses_two_processes(tmp_path):
+    channel = f"tbwheel-{tmp_path.name}"[:64]
+    publisher = tensorbucket.Publisher(channel)
+    consumer = subprocess.Popen([sys.executable, "-c", CONSUMER, channel], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    weight = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    publisher.publish({"weight": weight}, version=5, timeout=30)
+    out, err = consumer.communicate(timeout=60)
+    assert consumer.returncode == 0, err
+    assert out.split() == ["5", "torch.float32", "(3,", "4)", "66.0"]
+    assert publisher.drain(timeout=30)
+    publisher.close()
