@@ -1,6 +1,6 @@
 """A server that loads every update into its own copy of the model, strictly.
 
-/usr/bin/python3 examples/server.py CHANNEL STEPS
+PYTHONPATH=build/python .venv/bin/python examples/server.py CHANNEL STEPS
 """
 import sys
 

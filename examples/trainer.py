@@ -1,6 +1,6 @@
 """A trainer that publishes its weights after every step, as two buckets per update.
 
-/usr/bin/python3 examples/trainer.py CHANNEL STEPS
+PYTHONPATH=build/python .venv/bin/python examples/trainer.py CHANNEL STEPS
 """
 import sys
 

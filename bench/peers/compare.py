@@ -3,7 +3,7 @@ the Python handoff against each Python peer, the best first, and against a memcp
 bytes (all from python_peers.py, which takes turns between them), then the C++ handoff against
 each peer.
 
-/usr/bin/python3 bench/peers/compare.py build/tools/tbucket
+.venv/bin/python bench/peers/compare.py build/tools/tbucket
 """
 import json
 import os

@@ -2,7 +2,7 @@
 the median time of publish(): a steady load for a profiler, and the quickest way to compare two
 builds of the module (run each a few times, alternating).
 
-PYTHONPATH=build/python /usr/bin/python3 bench/peers/publish_loop.py [--numel N] [--seconds S]
+PYTHONPATH=build/python .venv/bin/python bench/peers/publish_loop.py [--numel N] [--seconds S]
     [--parameters]
 """
 import argparse

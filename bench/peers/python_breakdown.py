@@ -6,7 +6,7 @@ nn.Parameters, as a trainer publishing its named_parameters() does. Then the fir
 on a new channel, which creates and allocates the slot's segment. Last, a model's own steps at
 either end: state_dict() in the trainer, loading a bucket in the server.
 
-PYTHONPATH=build/python /usr/bin/python3 bench/peers/python_breakdown.py
+PYTHONPATH=build/python .venv/bin/python bench/peers/python_breakdown.py
 """
 import os
 import statistics

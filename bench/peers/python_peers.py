@@ -29,8 +29,8 @@ per (contender, size): the median of all its counted handoffs, the median of eac
 median of the first handoff of each turn ("cold": what a producer that publishes now and then
 pays).
 
-Run with Debian's Python, which has torch, and the module meson built:
-PYTHONPATH=build/python /usr/bin/python3 bench/peers/python_peers.py
+Run with the project's Python (scripts/install-deps makes .venv), and the module meson built:
+PYTHONPATH=build/python .venv/bin/python bench/peers/python_peers.py
 """
 import argparse
 import ctypes
