@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "control.hpp"
 #include "liveness.hpp"
@@ -43,7 +44,16 @@ std::optional<Manifest> read_manifest(std::string_view channel, std::uint32_t s,
 ChannelInfo inspect_channel(std::string_view channel) {
   ipc::validate_channel_name(channel);
   auto name = ipc::control_segment_name(channel);
-  auto segment = ipc::Segment::open(name, sizeof(ipc::ControlBlock), false, ipc::Locks::kKept);
+  std::optional<ipc::Segment> segment;
+  try {
+    segment = ipc::Segment::open(name, sizeof(ipc::ControlBlock), false, ipc::Locks::kKept);
+  } catch (const Error& e) {
+    // A producer creates the object, then sizes it: until then, as until it writes the magic,
+    // there is no channel yet (Subscriber::attach waits through the same window).
+    if (e.code() != ErrorCode::SystemError) throw;
+    text::fail(ErrorCode::ChannelMissing, "channel ", text::Quoted{channel}, " does not exist (yet): ",
+               e.what());
+  }
   auto* control = segment ? reinterpret_cast<ipc::ControlBlock*>(segment->data()) : nullptr;
   if (!control || ipc::atomic(control->magic).load(std::memory_order_acquire) != ipc::kControlMagic) {
     text::fail(ErrorCode::ChannelMissing, "channel ", text::Quoted{channel}, " does not exist");

@@ -248,7 +248,11 @@ Subscriber Subscriber::attach(std::string_view channel, std::chrono::millisecond
       segment = ipc::Segment::open(name, sizeof(ipc::ControlBlock), true, ipc::Locks::kKept);
     } catch (const Error& e) {
       // A producer creates the object, then sizes it: too small may just mean too early.
-      if (e.code() != ErrorCode::SystemError || Clock::now() >= deadline) throw;
+      if (e.code() != ErrorCode::SystemError) throw;
+      if (Clock::now() >= deadline) {
+        fail(ErrorCode::ChannelMissing, "channel ", Quoted{channel}, " did not appear within ",
+             timeout.count(), " ms: ", e.what());
+      }
       segment.reset();
     }
     if (segment) {

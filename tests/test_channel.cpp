@@ -521,6 +521,19 @@ TEST_F(Channel, MissingChannelTimesOut) {
   EXPECT_NE(message.find(channel), std::string::npos) << message;
 }
 
+// What a producer's control segment looks like between its shm_open and its ftruncate: no
+// channel yet, for inspect as for attach. Before, inspect failed with SystemError.
+TEST_F(Channel, ControlSegmentNotYetSizedIsNoChannelYet) {
+  auto path = "/dev/shm/tensorbucket." + channel;
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ::close(fd);
+  auto message = expect_error(ErrorCode::ChannelMissing, [&] { inspect_channel(channel); });
+  EXPECT_NE(message.find("does not exist (yet)"), std::string::npos) << message;
+  expect_error(ErrorCode::ChannelMissing, [&] { Subscriber::attach(channel, 20ms); });
+  ::unlink(path.c_str());
+}
+
 TEST_F(Channel, RefusesBadNames) {
   for (std::string name : std::vector<std::string>{"", ".hidden", "a/b", "space here",
                                                   std::string(65, 'x'), "ünï"}) {
