@@ -8,7 +8,8 @@
 // (docs/channel.md argues it case by case):
 //
 // - Bucket b always goes to slot b % slot_count. A slot's `generation` is a seqlock word:
-//   0 = never written, 2(b+1) = holds published bucket b, odd = the producer is rewriting it.
+//   0 = never written, 2(b+1) = holds published bucket b (generation_of()), odd = the producer
+//   is rewriting it. Where the slot's bytes live is slot_storage.hpp's business alone.
 // - Liveness is a lock the kernel holds for a process (liveness.hpp): byte 0 of the control
 //   segment for the producer, byte 1 + r for the consumer of record r.
 // - A consumer record belongs to whoever holds its lock byte. Its `claim` word names the
@@ -38,12 +39,13 @@
 #include <string_view>
 #include <type_traits>
 
+#include "device.hpp"
 #include "futex.hpp"
 
 namespace tensorbucket::ipc {
 
 inline constexpr std::uint32_t kControlMagic = 0x4C434254;  // "TBCL" in memory order
-inline constexpr std::uint16_t kControlLayoutVersion = 3;
+inline constexpr std::uint16_t kControlLayoutVersion = 4;
 inline constexpr std::uint32_t kMaxSlots = 16;
 inline constexpr std::uint32_t kMaxConsumers = 64;
 inline constexpr std::size_t kMaxChannelName = 64;
@@ -61,11 +63,22 @@ constexpr std::uint64_t make_claim(std::uint64_t token, std::uint32_t leases) {
   return token << kLeaseBits | leases;
 }
 
+// The seqlock arithmetic, named once.
+constexpr std::uint64_t generation_of(std::uint64_t bucket) { return 2 * (bucket + 1); }
+constexpr bool holds_bucket(std::uint64_t generation) { return generation != 0 && generation % 2 == 0; }
+constexpr bool being_written(std::uint64_t generation) { return generation % 2 == 1; }
+// The bucket a generation that holds_bucket() holds.
+constexpr std::uint64_t bucket_in(std::uint64_t generation) { return generation / 2 - 1; }
+
+// Where a channel's payloads live (ControlBlock::payload_home).
+enum class PayloadHome : std::uint16_t { kHost = 0, kCuda = 1 };
+
 struct alignas(64) SlotControl {
   std::uint64_t generation;       // seqlock word, see above
-  std::uint64_t segment_epoch;    // the slot's segment is "<control>.slot<s>.<epoch>"; 0 = none
-  std::uint64_t segment_bytes;    // payload capacity + frame capacity
-  std::uint64_t payload_capacity; // the payload starts at offset 0, the frame right after
+  std::uint64_t segment_epoch;    // the slot's storage epoch (slot_storage.hpp); 0 = none
+  std::uint64_t segment_bytes;    // the size of the slot's segment
+  std::uint64_t payload_capacity; // host: the payload at offset 0, the frame after it;
+                                  // CUDA: the device allocation's size, the frame at 0
   std::uint64_t frame_bytes;      // header + manifest
   std::uint64_t publish_start_ns; // CLOCK_MONOTONIC when the producer began this bucket
   std::uint64_t published_ns;     // CLOCK_MONOTONIC when it became visible
@@ -87,6 +100,23 @@ struct alignas(64) ConsumerRecord {
   ProcessLabel process;
 };
 
+// A CUDA channel's slot: what a consumer needs to import its payload, written by the
+// producer with the other slot fields for every bucket (slot_storage.hpp).
+struct alignas(64) SlotDevice {
+  DeviceUuid device;          // the device holding the payload, by UUID: ordinals differ
+  std::uint64_t epoch;        // the storage epoch these handles belong to
+  std::uint64_t capacity;     // bytes of the device allocation
+  DeviceHandle memory;        // the allocation, exported once per epoch
+  DeviceHandle ready_event;   // recorded after the payload was written, before publishing
+};
+
+// A consumer record's events on a CUDA channel, one per slot: the consumer records the slot's
+// on its stream when it releases the slot, and the producer's stream waits on it before it
+// rewrites the slot. Written by the attacher before it claims the record.
+struct ReleaseEvents {
+  DeviceHandle slots[kMaxSlots];
+};
+
 struct ControlBlock {
   std::uint32_t magic;  // written last by the producer: the block is ready once it matches
   std::uint16_t layout_version;
@@ -100,8 +130,13 @@ struct ControlBlock {
   std::uint64_t claims;         // attaches so far: the next one's token is claims + 1
   WaitWord consumer_wake;       // bumped on claim, publish and close
   WaitWord producer_wake;       // bumped on release, attach and detach
+  std::uint16_t payload_home;   // a PayloadHome
+  std::uint16_t reserved[3];
+  std::uint64_t incarnation;    // random, new for each producer: what consumers key imports by
   SlotControl slots[kMaxSlots];
   ConsumerRecord consumers[kMaxConsumers];
+  SlotDevice device_slots[kMaxSlots];        // CUDA channels only
+  ReleaseEvents release_events[kMaxConsumers];  // CUDA channels only
 };
 
 static_assert(std::is_trivially_copyable_v<ControlBlock>);
@@ -109,8 +144,12 @@ static_assert(std::is_standard_layout_v<ControlBlock>);
 static_assert(offsetof(ControlBlock, layout_version) == 4);
 static_assert(offsetof(ControlBlock, producer) == 16);
 static_assert(sizeof(SlotControl) == 64 && sizeof(ConsumerRecord) == 64);
-static_assert(offsetof(ControlBlock, slots) == 64);
-static_assert(sizeof(ControlBlock) == 64 + kMaxSlots * 64 + kMaxConsumers * 64);
+static_assert(offsetof(ControlBlock, payload_home) == 64);
+static_assert(offsetof(ControlBlock, slots) == 128);
+static_assert(sizeof(SlotDevice) == 192 && sizeof(ReleaseEvents) == kMaxSlots * kDeviceHandleBytes);
+static_assert(std::is_trivially_copyable_v<SlotDevice> && std::is_trivially_copyable_v<ReleaseEvents>);
+static_assert(sizeof(ControlBlock) ==
+              128 + kMaxSlots * 64 + kMaxConsumers * 64 + kMaxSlots * 192 + kMaxConsumers * sizeof(ReleaseEvents));
 static_assert(std::atomic_ref<std::uint64_t>::is_always_lock_free);
 
 template <class T>

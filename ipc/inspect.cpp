@@ -7,6 +7,7 @@
 #include "process.hpp"
 #include "segment.hpp"
 #include "serialize/text.hpp"
+#include "slot_storage.hpp"
 #include "tensorbucket/channel.hpp"
 
 namespace tensorbucket {
@@ -15,19 +16,18 @@ namespace {
 
 // The manifest of the bucket in `slot`, copied out and decoded only if the slot still holds
 // the same bucket afterwards (the seqlock check); nullopt otherwise.
-std::optional<Manifest> read_manifest(std::string_view channel, std::uint32_t s,
-                                      ipc::SlotControl& slot) {
+std::optional<Manifest> read_manifest(std::string_view channel, std::uint32_t s, ipc::SlotControl& slot,
+                                      ipc::PayloadHome home) {
   auto generation = ipc::atomic(slot.generation).load(std::memory_order_acquire);
   auto epoch = ipc::atomic(slot.segment_epoch).load(std::memory_order_relaxed);
   auto payload_capacity = ipc::atomic(slot.payload_capacity).load(std::memory_order_relaxed);
   auto frame_bytes = ipc::atomic(slot.frame_bytes).load(std::memory_order_relaxed);
   auto segment = ipc::Segment::open(ipc::slot_segment_name(channel, s, epoch), 0, false);
+  auto offset = ipc::frame_offset(home, payload_capacity);
   // Checked against the mapping we hold, not against sizes anyone could have written.
-  if (!segment || payload_capacity > segment->size() || frame_bytes > segment->size() - payload_capacity) {
-    return std::nullopt;
-  }
+  if (!segment || offset > segment->size() || frame_bytes > segment->size() - offset) return std::nullopt;
   std::vector<std::byte> frame(frame_bytes);
-  std::memcpy(frame.data(), segment->data() + payload_capacity, frame_bytes);
+  std::memcpy(frame.data(), segment->data() + offset, frame_bytes);
   if (ipc::atomic(slot.generation).load(std::memory_order_acquire) != generation || segment->damaged()) {
     return std::nullopt;
   }
@@ -65,6 +65,9 @@ ChannelInfo inspect_channel(std::string_view channel) {
   info.max_consumers = std::min<std::uint32_t>(control->max_consumers, ipc::kMaxConsumers);
   info.min_consumers = control->min_consumers;
   info.payload_checksum = control->payload_checksum != 0;
+  auto home = ipc::atomic(control->payload_home).load(std::memory_order_relaxed) == 0 ? ipc::PayloadHome::kHost
+                                                                                       : ipc::PayloadHome::kCuda;
+  info.location = home == ipc::PayloadHome::kHost ? "host" : "cuda " + ipc::describe(control->device_slots[0].device);
   auto ours = ipc::pid_namespace();
   auto elsewhere = [&](const ipc::ProcessLabel& label) {
     return label.pid_namespace != 0 && ours != 0 && label.pid_namespace != ours;
@@ -81,10 +84,12 @@ ChannelInfo inspect_channel(std::string_view channel) {
     auto& slot = control->slots[s];
     ChannelInfo::Slot state{};
     state.generation = ipc::atomic(slot.generation).load(std::memory_order_acquire);
-    if (state.generation != 0 && state.generation % 2 == 0) state.bucket = state.generation / 2 - 1;
+    if (ipc::holds_bucket(state.generation)) state.bucket = ipc::bucket_in(state.generation);
     state.release_count = ipc::atomic(slot.release_count).load(std::memory_order_relaxed);
     auto epoch = ipc::atomic(slot.segment_epoch).load(std::memory_order_relaxed);
     if (epoch != 0) state.segment = ipc::slot_segment_name(channel, s, epoch);
+    state.epoch = epoch;
+    state.payload_capacity = ipc::atomic(slot.payload_capacity).load(std::memory_order_relaxed);
     state.segment_bytes = ipc::atomic(slot.segment_bytes).load(std::memory_order_relaxed);
     if (state.bucket && (!newest || *state.bucket > *info.slot_states[*newest].bucket)) newest = s;
     info.slot_states.push_back(state);
@@ -99,7 +104,7 @@ ChannelInfo inspect_channel(std::string_view channel) {
                               ipc::atomic(record.next_bucket).load(std::memory_order_relaxed),
                               ipc::claim_leases(claim)});
   }
-  if (newest) info.newest_manifest = read_manifest(channel, *newest, control->slots[*newest]);
+  if (newest) info.newest_manifest = read_manifest(channel, *newest, control->slots[*newest], home);
   return info;
 }
 

@@ -5,13 +5,16 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <random>
 
 #include "control.hpp"
+#include "device.hpp"
 #include "futex.hpp"
 #include "liveness.hpp"
 #include "process.hpp"
 #include "segment.hpp"
 #include "serialize/copy.hpp"
+#include "slot_storage.hpp"
 #include "serialize/identity.hpp"
 #include "serialize/text.hpp"
 #include "tensorbucket/channel.hpp"
@@ -23,19 +26,13 @@ using text::Quoted;
 
 namespace {
 
-constexpr std::uint64_t kPageBytes = 4096;
-constexpr std::uint64_t kMinFrameCapacity = 64 * 1024;
 // Longest single futex sleep, so liveness and deadlines are rechecked that often.
 constexpr auto kWaitSlice = std::chrono::milliseconds(10);
 // Producers racing for one name each win or lose in one or two rounds; more rounds mean
 // someone keeps creating and removing it.
 constexpr int kNameRounds = 16;
 
-std::uint64_t round_up(std::uint64_t bytes, std::uint64_t to) { return (bytes + to - 1) / to * to; }
-
-// Generation 2(b+1) holds bucket b.
-std::uint64_t bucket_in(std::uint64_t generation) { return generation / 2 - 1; }
-
+using ipc::bucket_in;
 using Clock = std::chrono::steady_clock;
 
 // "pid 123", or "pid 123 (in another pid namespace)" when it is not one of ours.
@@ -50,16 +47,69 @@ std::string describe(const ipc::ProcessLabel& process) {
 
 }  // namespace
 
+// A CUDA channel's consumers' release events (control.hpp, ReleaseEvents), imported once per
+// attach of each record. A record whose events cannot be imported (a peer wrote garbage
+// there) gets no ordering on the device: docs/channel.md, "Hostile peers".
+class ReleaseWaits {
+ public:
+  explicit ReleaseWaits(int device) : device_(device) {}
+
+  // Makes `stream` wait until every consumer that holds a record now finished, on its
+  // device streams, the work it queued before releasing slot `s`.
+  void wait(ipc::ControlBlock& control, std::uint32_t s, std::uint32_t slot_count, ipc::DeviceStream stream) {
+    const auto& api = ipc::device_api();
+    for (std::uint32_t r = 0; r < ipc::kMaxConsumers; ++r) {
+      auto token = ipc::claim_token(ipc::atomic(control.consumers[r].claim).load(std::memory_order_acquire));
+      auto& record = records_[r];
+      if (record.token != token) {
+        record.close();
+        record.token = token;
+        if (token != 0) record.open(control.release_events[r], slot_count);
+      }
+      if (record.events[s] != nullptr) ipc::check_device(api.wait_event(stream, record.events[s]), "cuStreamWaitEvent");
+    }
+  }
+
+  ~ReleaseWaits() {
+    if (owner_.forked()) return;  // the events are the parent's
+    try {
+      ipc::DeviceScope scope(device_);
+      for (auto& record : records_) record.close();
+    } catch (const Error&) {
+      // The context is gone (the driver shutting down): so are the events.
+    }
+  }
+
+ private:
+  struct Record {
+    std::uint64_t token = 0;
+    ipc::DeviceEvent events[ipc::kMaxSlots] = {};
+    void open(const ipc::ReleaseEvents& shared, std::uint32_t slot_count) {
+      for (std::uint32_t s = 0; s < slot_count; ++s) {
+        auto handle = shared.slots[s];  // one copy of what a peer may be writing
+        if (ipc::device_api().import_event(&events[s], handle) != 0) events[s] = nullptr;
+      }
+    }
+    void close() noexcept {
+      for (auto& event : events) {
+        if (event != nullptr) ipc::device_api().destroy_event(event);
+        event = nullptr;
+      }
+    }
+  };
+  int device_;
+  ipc::Owner owner_;
+  Record records_[ipc::kMaxConsumers];
+};
+
 struct detail::PublisherState {
   // What this producer wrote into a slot's SlotControl, kept here and never read back from
   // shared memory, which any consumer can write.
   struct Slot {
-    std::optional<ipc::Segment> segment;
+    ipc::SlotStorage storage;
     std::uint64_t generation = 0;  // 0 or 2(b+1), as last published
-    std::uint64_t epoch = 0;
-    std::uint64_t payload_capacity = 0;
-    std::uint64_t frame_capacity = 0;
     std::uint64_t frame_encoding = 0;  // the encoding_id() whose manifest the frame holds, or 0
+    std::uint64_t payload_layout = 0;  // the encoding_id() whose padding the payload has zeroed
   };
 
   std::string channel;
@@ -67,6 +117,9 @@ struct detail::PublisherState {
   ipc::Segment control_segment;
   ipc::ControlBlock* control;
   std::vector<Slot> slots;
+  std::optional<int> device;  // the CUDA ordinal of a device channel
+  std::optional<ReleaseWaits> release_waits;  // device channels
+  ipc::DeviceStream stream = nullptr;  // of the bucket being written (device channels)
   std::uint64_t published = 0;
   // The open bucket's header, begun when its manifest was written: it hashes the manifest
   // this producer meant, not the bytes in the slot, which a peer may have changed since.
@@ -87,8 +140,16 @@ struct detail::PublisherState {
       : channel(std::move(name)),
         options(opts),
         control_segment(std::move(segment)),
-        control(reinterpret_cast<ipc::ControlBlock*>(control_segment.data())),
-        slots(opts.slots) {}
+        control(reinterpret_cast<ipc::ControlBlock*>(control_segment.data())) {
+    if (!options.location.on_host()) {
+      device = options.location.device;
+      release_waits.emplace(*device);
+    }
+    slots.reserve(options.slots);
+    for (std::uint32_t s = 0; s < options.slots; ++s) {
+      slots.push_back({ipc::SlotStorage(channel, s, options.mode, device)});
+    }
+  }
 
   std::uint32_t slot_of(std::uint64_t bucket) const {
     return static_cast<std::uint32_t>(bucket % options.slots);
@@ -200,39 +261,6 @@ struct detail::PublisherState {
     }
   }
 
-  // The slot's segment, replaced (a new segment under the next epoch) when it cannot hold
-  // `payload_bytes` + `frame_bytes`, or was truncated under us. Only called while the slot
-  // is claimed.
-  ipc::Segment& segment_for(std::uint32_t s, std::uint64_t payload_bytes, std::uint64_t frame_bytes) {
-    auto& slot = slots[s];
-    if (slot.segment && !slot.segment->damaged() && payload_bytes <= slot.payload_capacity &&
-        frame_bytes <= slot.frame_capacity) {
-      return *slot.segment;
-    }
-    auto payload_capacity = round_up(std::max(payload_bytes, slot.payload_capacity), kPageBytes);
-    auto frame_capacity =
-        round_up(std::max({frame_bytes, slot.frame_capacity, kMinFrameCapacity}), kPageBytes);
-    auto epoch = slot.epoch + 1;
-    auto name = ipc::slot_segment_name(channel, s, epoch);
-    auto grown = [&] {
-      try {
-        return ipc::Segment::create(name, payload_capacity + frame_capacity, options.mode);
-      } catch (const Error& e) {
-        // A dead producer's leftover the stale cleanup missed: the name is ours now.
-        if (e.code() != ErrorCode::ChannelExists) throw;
-        ipc::Segment::remove(name);
-        return ipc::Segment::create(name, payload_capacity + frame_capacity, options.mode);
-      }
-    }();
-    if (slot.epoch != 0) ipc::Segment::remove(ipc::slot_segment_name(channel, s, slot.epoch));
-    slot.segment = std::move(grown);
-    slot.frame_encoding = 0;
-    slot.epoch = epoch;
-    slot.payload_capacity = payload_capacity;
-    slot.frame_capacity = frame_capacity;
-    return *slot.segment;
-  }
-
   // A producer resends its layout every step, so the slot's frame usually holds it already but
   // for the identity fields at its front: writing only the bytes that differ leaves the rest
   // (~60 bytes an entry) in the consumers' caches, where they read it to verify the next
@@ -252,18 +280,33 @@ struct detail::PublisherState {
     slots[s].frame_encoding = encoding_id;
   }
 
-  // Writes the header and publishes the claimed slot: the bucket's bytes are in place.
+  // The payload's hash: on a device, of a copy brought back (the one check that synchronizes).
+  std::uint64_t payload_hash(const ipc::SlotStorage& storage, std::uint64_t payload_bytes) {
+    if (!storage.on_device()) return xxh3({storage.payload(), payload_bytes});
+    std::vector<std::byte> copy(payload_bytes);
+    ipc::DeviceCopy back{reinterpret_cast<ipc::DeviceAddress>(copy.data()),
+                         reinterpret_cast<ipc::DeviceAddress>(storage.payload()), payload_bytes};
+    const auto& api = ipc::device_api();
+    ipc::check_device(api.copy(&back, 1, stream), "cuMemcpyAsync");
+    ipc::check_device(api.synchronize(stream), "cuStreamSynchronize");
+    return xxh3(copy);
+  }
+
+  // Writes the header and publishes the claimed slot: the bucket's bytes are in place (on a
+  // device: queued on `stream`, which the ready event recorded here covers).
   void finish(std::uint64_t bucket, std::uint64_t payload_bytes) {
     auto s = slot_of(bucket);
     auto& slot = slots[s];
-    auto* base = slot.segment->data();
+    std::optional<ipc::DeviceScope> scope;
+    if (device) scope.emplace(*device);
     if (options.payload_checksum) {
       header.flags |= kPayloadChecksum;
-      header.payload_xxh3 = xxh3({base, payload_bytes});
+      header.payload_xxh3 = payload_hash(slot.storage, payload_bytes);
     }
-    std::memcpy(base + slot.payload_capacity, &header, sizeof header);
+    std::memcpy(slot.storage.frame().data(), &header, sizeof header);
+    slot.storage.record_ready(stream);
     refuse_if_control_damaged();
-    if (slot.segment->damaged()) {
+    if (slot.storage.damaged()) {
       abandon(bucket);
       fail(ErrorCode::SystemError, "the segment of slot ", s, " of channel ", Quoted{channel},
            " was truncated by another process while bucket ", bucket, " was written; it was not published");
@@ -271,7 +314,7 @@ struct detail::PublisherState {
     auto& shared = shared_slot(s);
     shared.published_ns = ipc::monotonic_ns();
     // Release: the bytes and slot fields above are visible to a consumer that sees this value.
-    slot.generation = 2 * (bucket + 1);
+    slot.generation = ipc::generation_of(bucket);
     ipc::atomic(shared.generation).store(slot.generation, std::memory_order_release);
     published = bucket + 1;
     ipc::atomic(control->published).store(published, std::memory_order_release);
@@ -286,11 +329,13 @@ struct detail::PublisherState {
     ipc::futex_bump_and_wake(control->consumer_wake);
   }
 
-  // Claims the next slot, sizes its segment and writes the manifest into its frame; nullopt on
-  // timeout, else where the payload goes.
-  std::optional<std::byte*> begin(std::uint64_t payload_bytes,
+  // Claims the next slot, sizes its storage and writes the manifest into its frame; nullopt
+  // on timeout, else where the payload goes (a device address on a device channel, where
+  // `on` is the stream that writes it).
+  std::optional<std::byte*> begin(std::uint64_t payload_bytes, const Manifest& manifest,
                                   std::span<const std::byte> manifest_bytes,
-                                  std::uint64_t encoding_id, std::chrono::milliseconds timeout) {
+                                  std::uint64_t encoding_id, std::chrono::milliseconds timeout,
+                                  ipc::DeviceStream on) {
     if (closed) fail(ErrorCode::InvalidArgument, "channel ", Quoted{channel}, " is closed");
     refuse_if_forked();
     if (reservation_open) {
@@ -307,26 +352,67 @@ struct detail::PublisherState {
       auto& shared = shared_slot(s);
       shared.publish_start_ns = start_ns;
       auto frame_bytes = sizeof(BucketHeader) + manifest_bytes.size();
-      auto* base = segment_for(s, payload_bytes, frame_bytes).data();
       auto& slot = slots[s];
-      write_manifest(s, base + slot.payload_capacity + sizeof(BucketHeader), manifest_bytes, encoding_id);
+      if (slot.storage.fit(payload_bytes, frame_bytes)) {
+        slot.frame_encoding = 0;
+        slot.payload_layout = 0;
+      }
+      write_manifest(s, slot.storage.frame().data() + sizeof(BucketHeader), manifest_bytes, encoding_id);
       // Every field, every bucket, from our copy: what a peer wrote there does not last.
-      shared.segment_epoch = slot.epoch;
-      shared.segment_bytes = slot.payload_capacity + slot.frame_capacity;
-      shared.payload_capacity = slot.payload_capacity;
-      shared.frame_bytes = frame_bytes;
-      header = make_header(manifest_bytes, {base, payload_bytes});  // the payload hash: finish()
-      return base;
+      slot.storage.describe(shared, control->device_slots[s], frame_bytes);
+      auto* payload = slot.storage.payload();
+      header = make_header(manifest_bytes, {payload, payload_bytes});  // the payload hash: finish()
+      if (device) prepare_device_payload(s, manifest, payload_bytes, encoding_id, on);
+      return payload;
     } catch (...) {
       abandon(published);
       throw;
     }
   }
 
-  void remove_segments() noexcept {
-    for (std::uint32_t s = 0; s < options.slots; ++s) {
-      if (slots[s].epoch != 0) ipc::Segment::remove(ipc::slot_segment_name(channel, s, slots[s].epoch));
+  // A device slot about to be written on `on`: after every consumer's release of it, and with
+  // the padding zeroed when the layout is new to it (the padding of one layout stays zero).
+  void prepare_device_payload(std::uint32_t s, const Manifest& manifest, std::uint64_t payload_bytes,
+                              std::uint64_t encoding_id, ipc::DeviceStream on) {
+    ipc::DeviceScope scope(*device);
+    stream = on;
+    release_waits->wait(*control, s, options.slots, on);
+    auto& slot = slots[s];
+    if (slot.payload_layout == encoding_id) return;
+    const auto& api = ipc::device_api();
+    auto base = reinterpret_cast<ipc::DeviceAddress>(slot.storage.payload());
+    std::uint64_t written = 0;
+    for (const auto& entry : manifest.entries) {
+      if (entry.byte_offset > written) {
+        ipc::check_device(api.zero(base + written, entry.byte_offset - written, on), "cuMemsetD8Async");
+      }
+      written = entry.byte_offset + entry.byte_length;
     }
+    if (payload_bytes > written) ipc::check_device(api.zero(base + written, payload_bytes - written, on), "cuMemsetD8Async");
+    slot.payload_layout = encoding_id;
+  }
+
+  // Copies every entry of `bucket` into the device payload at `to`, in one batch on `stream`.
+  void copy_to_device(const BucketBuilder& bucket, std::byte* to) {
+    const auto& entries = bucket.manifest().entries;
+    auto sources = bucket.entry_sources();
+    std::vector<ipc::DeviceCopy> copies;
+    copies.reserve(entries.size());
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      if (entries[i].byte_length == 0) continue;
+      if (sources[i] == nullptr) {
+        fail(ErrorCode::InvalidArgument, "entry ", Quoted{entries[i].name},
+             " was declared for in-place writing; write it through a reservation instead");
+      }
+      copies.push_back({reinterpret_cast<ipc::DeviceAddress>(to + entries[i].byte_offset),
+                        reinterpret_cast<ipc::DeviceAddress>(sources[i]), entries[i].byte_length});
+    }
+    ipc::DeviceScope scope(*device);
+    ipc::check_device(ipc::device_api().copy(copies.data(), copies.size(), stream), "cuMemcpyBatchAsync");
+  }
+
+  void remove_segments() noexcept {
+    for (auto& slot : slots) slot.storage.remove();
     ipc::Segment::remove(ipc::control_segment_name(channel));
   }
 };
@@ -404,6 +490,16 @@ void validate(const PublisherOptions& options) {
     fail(ErrorCode::InvalidArgument, "mode 0", std::oct, options.mode,
          " must be permission bits that let the owner read and write");
   }
+  if (!options.location.on_host() && options.location.device < 0) {
+    fail(ErrorCode::InvalidArgument, "CUDA device ", options.location.device, " is not a device ordinal");
+  }
+}
+
+std::uint64_t new_incarnation() {
+  std::random_device entropy;
+  std::uint64_t value = 0;
+  while (value == 0) value = (std::uint64_t{entropy()} << 32) ^ entropy();
+  return value;
 }
 
 }  // namespace
@@ -411,6 +507,8 @@ void validate(const PublisherOptions& options) {
 Publisher Publisher::create(std::string_view channel, const PublisherOptions& options) {
   ipc::validate_channel_name(channel);
   validate(options);
+  // Before the name is taken: CudaUnavailable or DeviceNotVisible leave nothing behind.
+  if (!options.location.on_host()) ipc::device_uuid(options.location.device);
   auto segment = take_name(channel, ipc::control_segment_name(channel), options.mode);
   auto* control = reinterpret_cast<ipc::ControlBlock*>(segment.data());
   control->layout_version = ipc::kControlLayoutVersion;
@@ -418,6 +516,9 @@ Publisher Publisher::create(std::string_view channel, const PublisherOptions& op
   control->max_consumers = static_cast<std::uint16_t>(options.max_consumers);
   control->min_consumers = static_cast<std::uint16_t>(options.min_consumers);
   control->payload_checksum = options.payload_checksum;
+  control->payload_home = static_cast<std::uint16_t>(options.location.on_host() ? ipc::PayloadHome::kHost
+                                                                                  : ipc::PayloadHome::kCuda);
+  control->incarnation = new_incarnation();
   ipc::store_label(control->producer, ipc::this_process());
   // Release: a consumer that reads the magic sees every field above.
   ipc::atomic(control->magic).store(ipc::kControlMagic, std::memory_order_release);
@@ -436,13 +537,17 @@ Publisher& Publisher::operator=(Publisher&& other) noexcept {
 }
 Publisher::~Publisher() { close(); }
 
-bool Publisher::publish(const BucketBuilder& bucket, std::chrono::milliseconds timeout) {
+bool Publisher::publish(const BucketBuilder& bucket, std::chrono::milliseconds timeout, CudaStream stream) {
   auto manifest_bytes = bucket.encoded_manifest();  // refuses incomplete groups before any claim
   auto payload_bytes = bucket.payload_bytes();
-  auto base = state_->begin(payload_bytes, manifest_bytes, bucket.encoding_id(), timeout);
+  auto base = state_->begin(payload_bytes, bucket.manifest(), manifest_bytes, bucket.encoding_id(), timeout, stream);
   if (!base) return false;
   try {
-    bucket.pack_into({*base, payload_bytes});
+    if (state_->device) {
+      state_->copy_to_device(bucket, *base);
+    } else {
+      bucket.pack_into({*base, payload_bytes});
+    }
   } catch (...) {
     state_->abandon(state_->published);
     throw;
@@ -452,12 +557,16 @@ bool Publisher::publish(const BucketBuilder& bucket, std::chrono::milliseconds t
 }
 
 std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
-                                              std::chrono::milliseconds timeout) {
+                                              std::chrono::milliseconds timeout, CudaStream stream) {
   auto manifest_bytes = layout.encoded_manifest();
   auto payload_bytes = layout.payload_bytes();
-  auto base = state_->begin(payload_bytes, manifest_bytes, layout.encoding_id(), timeout);
+  auto base = state_->begin(payload_bytes, layout.manifest(), manifest_bytes, layout.encoding_id(), timeout, stream);
   if (!base) return std::nullopt;
   std::span<std::byte> payload{*base, payload_bytes};
+  if (state_->device) {  // the padding is zeroed already (begin())
+    state_->reservation_open = true;
+    return Reservation(state_.get(), payload_bytes, layout.entry_spans(payload), false);
+  }
   // Zero the padding between entries, so no bytes of an older bucket travel in it. Only the
   // padding: zeroing a whole 256 MiB payload here evicted the caches the handoff then needed.
   std::uint64_t written = 0;
@@ -509,6 +618,7 @@ void Publisher::close() noexcept {
 }
 
 std::uint64_t Publisher::published() const noexcept { return state_->published; }
+PayloadLocation Publisher::location() const noexcept { return state_->options.location; }
 const std::string& Publisher::channel() const noexcept { return state_->channel; }
 const std::string& Publisher::waiting_for() const noexcept { return state_->waiting_for; }
 
@@ -533,8 +643,19 @@ void Reservation::write(std::size_t index, const void* data) {
   if (index >= spans_.size()) {
     fail(ErrorCode::InvalidArgument, "entry ", index, " is past the last of ", spans_.size());
   }
+  if (state_->device) {
+    ipc::DeviceCopy copy{reinterpret_cast<ipc::DeviceAddress>(spans_[index].data()),
+                         reinterpret_cast<ipc::DeviceAddress>(data), spans_[index].size()};
+    ipc::DeviceScope scope(*state_->device);
+    ipc::check_device(ipc::device_api().copy(&copy, 1, state_->stream), "cuMemcpyAsync");
+    return;
+  }
   detail::copy_bytes(spans_[index].data(), static_cast<const std::byte*>(data),
                      spans_[index].size(), streaming_);
+}
+
+PayloadLocation Reservation::location() const noexcept {
+  return state_ != nullptr ? state_->options.location : PayloadLocation{};
 }
 
 Reservation::~Reservation() {

@@ -6,11 +6,13 @@
 #include <thread>
 
 #include "control.hpp"
+#include "device.hpp"
 #include "futex.hpp"
 #include "liveness.hpp"
 #include "process.hpp"
 #include "segment.hpp"
 #include "serialize/text.hpp"
+#include "slot_storage.hpp"
 #include "tensorbucket/channel.hpp"
 #include "test_hooks.hpp"
 
@@ -43,30 +45,78 @@ constexpr int kClaimRetries = 1000;
 
 }  // namespace
 
+// A consumer's release events on a CUDA channel (control.hpp, ReleaseEvents): one per slot,
+// made and exported at attach.
+struct ReleaseEvents {
+  int device;
+  std::vector<ipc::DeviceEvent> events;
+  std::vector<ipc::DeviceHandle> handles;
+  ipc::Owner owner;
+
+  ReleaseEvents(int ordinal, std::uint32_t slot_count) : device(ordinal) {
+    ipc::DeviceScope scope(device);
+    const auto& api = ipc::device_api();
+    try {
+      for (std::uint32_t s = 0; s < slot_count; ++s) {
+        events.push_back(nullptr);
+        ipc::check_device(api.create_event(&events.back()), "cuEventCreate");
+        handles.push_back({});
+        ipc::check_device(api.export_event(&handles.back(), events.back()), "cuIpcGetEventHandle");
+      }
+    } catch (...) {
+      destroy();
+      throw;
+    }
+  }
+  ReleaseEvents(const ReleaseEvents&) = delete;
+  ReleaseEvents& operator=(const ReleaseEvents&) = delete;
+  // Waits for the work each release was ordered after: the producer stops waiting on our
+  // events once our record is free, so that work must be done before it is. The one host
+  // wait of a consumer, at detach.
+  ~ReleaseEvents() {
+    if (owner.forked()) return;  // the parent's
+    try {
+      ipc::DeviceScope scope(device);
+      for (auto* event : events) ipc::device_api().synchronize_event(event);
+      destroy();
+    } catch (const Error&) {
+      // The context is gone (the driver shutting down): so are the events.
+    }
+  }
+  void destroy() noexcept {
+    for (auto* event : events) {
+      if (event != nullptr) ipc::device_api().destroy_event(event);
+    }
+    events.clear();
+  }
+};
+
 struct detail::SubscriberState {
   std::string channel;
   ipc::Segment control_segment;
   ipc::ControlBlock* control;
   std::uint32_t slot_count;  // read once, checked: the control block may change under us
+  ipc::PayloadHome home;     // read once too
   ipc::ConsumerRecord* record = nullptr;
   std::uint32_t record_index = 0;
   std::uint64_t token = 0;  // ours in record->claim
   std::uint64_t next_bucket = 0;
-  struct MappedSlot {
-    std::uint64_t epoch = 0;
-    std::shared_ptr<ipc::Segment> segment;
-  };
-  std::vector<MappedSlot> slots;
+  std::vector<ipc::SlotReader> slots;
+  PayloadLocation location;  // where views point: the host, or our ordinal of the device
   Clock::time_point last_liveness_check{};
   ManifestCache manifests;  // a producer resends the same layout every step
   ipc::Owner owner;
+  std::optional<ReleaseEvents> release_events;  // CUDA channels; destroyed before the record is freed
 
-  SubscriberState(std::string name, ipc::Segment segment, std::uint32_t slots_in_channel)
+  SubscriberState(std::string name, ipc::Segment segment, std::uint32_t slots_in_channel, ipc::PayloadHome payload_home,
+                  std::uint64_t incarnation)
       : channel(std::move(name)),
         control_segment(std::move(segment)),
         control(reinterpret_cast<ipc::ControlBlock*>(control_segment.data())),
         slot_count(slots_in_channel),
-        slots(slots_in_channel) {}
+        home(payload_home) {
+    for (std::uint32_t s = 0; s < slot_count; ++s) slots.emplace_back(channel, s, home, incarnation);
+  }
 
   // A child forked from the consumer inherits this handle and its buckets, but the record and
   // its leases stay the parent's: releasing them from the child (on its exit, say) would let
@@ -75,6 +125,7 @@ struct detail::SubscriberState {
 
   // Frees the record, unless it was taken from us; the lock goes after, with the descriptor.
   ~SubscriberState() {
+    release_events.reset();
     if (record == nullptr || forked()) return;
     auto claim = ipc::atomic(record->claim).load(std::memory_order_seq_cst);
     for (int retry = 0; retry < kClaimRetries && ipc::claim_token(claim) == token; ++retry) {
@@ -117,6 +168,17 @@ struct detail::SubscriberState {
 
   std::uint64_t& generation(std::uint32_t s) { return control->slots[s].generation; }
 
+  // Records slot `s`'s release event on `stream` (CUDA channels), before the release itself.
+  void record_release(std::uint32_t s, CudaStream stream) noexcept {
+    if (!release_events) return;
+    try {
+      ipc::DeviceScope scope(release_events->device);
+      ipc::device_api().record_event(release_events->events[s], stream);
+    } catch (const Error&) {
+      // Without a context there is no work left to order.
+    }
+  }
+
   // The oldest bucket still in a slot, or the next to be published when none is. Seq_cst:
   // after our claim, these loads see a slot the producer started rewriting (see attach()).
   std::uint64_t oldest_available() {
@@ -127,7 +189,7 @@ struct detail::SubscriberState {
     }
     for (std::uint32_t s = 0; s < slot_count; ++s) {
       auto g = ipc::atomic(generation(s)).load(std::memory_order_seq_cst);
-      if (g != 0 && g % 2 == 0) oldest = std::min(oldest, g / 2 - 1);
+      if (ipc::holds_bucket(g)) oldest = std::min(oldest, ipc::bucket_in(g));
     }
     return oldest;
   }
@@ -156,40 +218,36 @@ struct detail::SubscriberState {
     }
   }
 
-  // Where a slot's bucket lies: its mapping and the frame's place in it.
-  struct SlotLayout {
-    std::shared_ptr<ipc::Segment> segment;
-    std::uint64_t payload_capacity;
-    std::uint64_t frame_bytes;
-  };
+  // A verified device bucket made usable on `stream`: its payload hash checked first when
+  // asked (on a copy brought back: the one host wait of a consumer's next()), then the stream
+  // made to wait for the producer's writing of it.
+  void ready_on_device(const ipc::SlotMapping& mapping, const VerifyOptions& options,
+                       CudaStream stream, std::uint64_t bucket) {
+    ipc::DeviceScope scope(mapping.device);
+    const auto& api = ipc::device_api();
+    ipc::check_device(api.wait_event(stream, mapping.ready), "cuStreamWaitEvent");
+    auto header = read_header(mapping.frame);
+    if (!(header.flags & kPayloadChecksum) || !options.check_payload_checksum) return;
+    std::vector<std::byte> copy(header.payload_bytes);
+    ipc::DeviceCopy back{reinterpret_cast<ipc::DeviceAddress>(copy.data()),
+                         reinterpret_cast<ipc::DeviceAddress>(mapping.payload.data()), copy.size()};
+    ipc::check_device(api.copy(&back, 1, stream), "cuMemcpyAsync");
+    ipc::check_device(api.synchronize(stream), "cuStreamSynchronize");
+    auto hash = xxh3(copy);
+    if (hash != header.payload_xxh3) {
+      fail(ErrorCode::ChecksumMismatch, "payload hash 0x", std::hex, hash, " of bucket ", std::dec, bucket,
+           " does not match the header's 0x", std::hex, header.payload_xxh3);
+    }
+  }
 
-  // Slot `s`'s segment and layout. The fields come from the control block, which anyone can
-  // write: each is read once, and checked against the mapping this consumer actually holds.
-  SlotLayout map_slot(std::uint32_t s) {
-    auto& shared = control->slots[s];
-    auto epoch = ipc::atomic(shared.segment_epoch).load(std::memory_order_relaxed);
-    auto payload_capacity = ipc::atomic(shared.payload_capacity).load(std::memory_order_relaxed);
-    auto frame_bytes = ipc::atomic(shared.frame_bytes).load(std::memory_order_relaxed);
-    auto& mapped = slots[s];
-    if (!mapped.segment || mapped.epoch != epoch || mapped.segment->damaged()) {
-      mapped = {};
-      auto name = ipc::slot_segment_name(channel, s, epoch);
-      auto segment = epoch == 0 ? std::nullopt : ipc::Segment::open(name, 0, false);
-      if (!segment) {
-        if (producer_gone(Clock::now())) {
-          fail(ErrorCode::ProducerGone, "producer of channel ", Quoted{channel}, " is gone");
-        }
-        fail(ErrorCode::SystemError, "slot segment ", Quoted{name}, " is missing");
-      }
-      mapped = {epoch, std::make_shared<ipc::Segment>(std::move(*segment))};
+  // Slot `s`'s bucket as mapped here (slot_storage.hpp).
+  ipc::SlotMapping map_slot(std::uint32_t s) {
+    auto mapping = slots[s].map(control->slots[s], control->device_slots[s]);
+    if (mapping) return std::move(*mapping);
+    if (producer_gone(Clock::now())) {
+      fail(ErrorCode::ProducerGone, "producer of channel ", Quoted{channel}, " is gone");
     }
-    auto size = mapped.segment->size();
-    if (payload_capacity > size || frame_bytes > size - payload_capacity) {
-      fail(ErrorCode::HeaderCorrupt, "slot ", s, " of channel ", Quoted{channel}, " declares a ",
-           frame_bytes, "-byte frame after ", payload_capacity, " payload bytes, but its segment has ",
-           size, " bytes");
-    }
-    return {mapped.segment, payload_capacity, frame_bytes};
+    fail(ErrorCode::SystemError, "the segment of slot ", s, " of channel ", Quoted{channel}, " is missing");
   }
 
   // Claims a consumer record: one whose lock byte we can take, so whose owner, if any, is
@@ -201,6 +259,12 @@ struct detail::SubscriberState {
       if (!ipc::try_lock(control_segment.descriptor(), byte)) continue;  // a live owner's
       auto& candidate = control->consumers[r];
       TENSORBUCKET_TEST_HOOK(before_claim);
+      // Ours to write while we hold the lock byte; the producer reads them after our claim.
+      if (release_events) {
+        for (std::uint32_t s = 0; s < release_events->handles.size(); ++s) {
+          control->release_events[r].slots[s] = release_events->handles[s];
+        }
+      }
       // Blocks every reuse of a slot from the claim on, until we choose where to start.
       ipc::atomic(candidate.next_bucket).store(0, std::memory_order_seq_cst);
       ipc::store_label(candidate.process, ipc::this_process());
@@ -229,16 +293,20 @@ struct detail::Lease {
   Lease& operator=(const Lease&) = delete;
 
   std::shared_ptr<SubscriberState> subscriber;
-  std::shared_ptr<ipc::Segment> segment;  // keeps the views' memory mapped
+  ipc::SlotMapping mapping;  // keeps the views' memory mapped
   std::uint32_t slot;
   std::uint64_t generation;
+  CudaStream stream = nullptr;  // what the release is ordered after, on a device
 
   ~Lease() {
-    if (!subscriber->forked()) subscriber->release(slot, generation);
+    if (subscriber->forked()) return;
+    subscriber->record_release(slot, stream);
+    subscriber->release(slot, generation);
   }
 };
 
-Subscriber Subscriber::attach(std::string_view channel, std::chrono::milliseconds timeout) {
+Subscriber Subscriber::attach(std::string_view channel, std::chrono::milliseconds timeout,
+                              std::optional<PayloadLocation::Kind> expected) {
   ipc::validate_channel_name(channel);
   auto name = ipc::control_segment_name(channel);
   auto deadline = ipc::deadline_after(timeout);
@@ -271,12 +339,30 @@ Subscriber Subscriber::attach(std::string_view channel, std::chrono::millisecond
   auto layout_version = ipc::atomic(control->layout_version).load(std::memory_order_relaxed);
   std::uint32_t slot_count = ipc::atomic(control->slot_count).load(std::memory_order_relaxed);
   std::uint32_t max_consumers = ipc::atomic(control->max_consumers).load(std::memory_order_relaxed);
+  auto home = ipc::atomic(control->payload_home).load(std::memory_order_relaxed);
+  auto incarnation = ipc::atomic(control->incarnation).load(std::memory_order_relaxed);
   if (layout_version != ipc::kControlLayoutVersion || slot_count < 1 || slot_count > ipc::kMaxSlots ||
-      max_consumers < 1 || max_consumers > ipc::kMaxConsumers) {
+      max_consumers < 1 || max_consumers > ipc::kMaxConsumers ||
+      home > static_cast<std::uint16_t>(ipc::PayloadHome::kCuda)) {
     fail(ErrorCode::HeaderCorrupt, "channel ", Quoted{channel}, " has an unusable control block (layout ",
-         layout_version, ", ", slot_count, " slots, ", max_consumers, " consumers)");
+         layout_version, ", ", slot_count, " slots, ", max_consumers, " consumers, payload home ", home, ")");
   }
-  auto state = std::make_shared<detail::SubscriberState>(std::string(channel), std::move(*segment), slot_count);
+  auto payload_home = static_cast<ipc::PayloadHome>(home);
+  auto kind = payload_home == ipc::PayloadHome::kHost ? PayloadLocation::Kind::Host : PayloadLocation::Kind::Cuda;
+  if (expected && *expected != kind) {
+    fail(ErrorCode::LocationMismatch, "channel ", Quoted{channel}, " carries its payloads ",
+         kind == PayloadLocation::Kind::Host ? "in host memory" : "on a CUDA device", ", not ",
+         *expected == PayloadLocation::Kind::Host ? "in host memory" : "on a CUDA device", " as asked");
+  }
+  auto state = std::make_shared<detail::SubscriberState>(std::string(channel), std::move(*segment), slot_count,
+                                                         payload_home, incarnation);
+  if (payload_home == ipc::PayloadHome::kCuda) {
+    // The device of slot 0's storage, or of the producer's create: every slot is on it.
+    auto uuid = control->device_slots[0].device;
+    auto ordinal = ipc::device_ordinal(uuid);
+    state->location = PayloadLocation::cuda(ordinal);
+    state->release_events.emplace(ordinal, slot_count);
+  }
   state->claim_record(max_consumers);
   TENSORBUCKET_TEST_HOOK(after_claim);
   // Claimed, with next_bucket 0, before choosing where to start: the producer cannot reuse
@@ -297,7 +383,7 @@ std::optional<ReceivedBucket> Subscriber::try_next(const VerifyOptions& options)
 }
 
 std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout,
-                                               const VerifyOptions& options) {
+                                               const VerifyOptions& options, CudaStream stream) {
   auto& state = *state_;
   if (state.forked()) {
     fail(ErrorCode::InvalidArgument, "this consumer of channel ", Quoted{state.channel},
@@ -313,7 +399,7 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
     auto wake = ipc::wake_count(control->consumer_wake);
     auto bucket = state.next_bucket;
     auto s = static_cast<std::uint32_t>(bucket % state.slot_count);
-    auto expected = 2 * (bucket + 1);
+    auto expected = ipc::generation_of(bucket);
     auto& generation = state.generation(s);
     auto g = ipc::atomic(generation).load(std::memory_order_acquire);
 
@@ -329,14 +415,13 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
       auto lease = std::make_unique<detail::Lease>(state_, s, expected);
       // Whatever happens below, this bucket is done for us: advance before anything throws.
       state.set_next_bucket(bucket + 1);
-      auto layout = state.map_slot(s);
-      lease->segment = layout.segment;
+      lease->mapping = state.map_slot(s);
+      lease->stream = stream;
+      const auto& mapping = lease->mapping;
       const auto& shared = control->slots[s];
-      auto* base = layout.segment->data();
       auto view = [&] {
         try {
-          return BucketView::open({base + layout.payload_capacity, layout.frame_bytes},
-                                  {base, layout.payload_capacity}, options, &state.manifests);
+          return BucketView::open(mapping.frame, mapping.payload, options, &state.manifests, state.location);
         } catch (const Error& e) {
           // A frame changed under the producer, which then compares the next one with what
           // it means to send instead of assuming the slot still holds it.
@@ -350,10 +435,11 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
         fail(ErrorCode::Torn, "slot ", s, " of channel ", Quoted{state.channel},
              " was rewritten while bucket ", bucket, " was read");
       }
-      if (layout.segment->damaged()) {
+      if (mapping.segment->damaged()) {
         fail(ErrorCode::Torn, "the segment of slot ", s, " of channel ", Quoted{state.channel},
              " was truncated by another process while bucket ", bucket, " was read");
       }
+      if (mapping.imported) state.ready_on_device(mapping, options, stream, bucket);
       return ReceivedBucket(std::move(view), bucket, shared.publish_start_ns, shared.published_ns,
                             std::move(lease));
     }
@@ -370,7 +456,7 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
     }
     // Not published yet (or the producer is probing the slot and will back off for us).
     auto now = Clock::now();
-    if (g % 2 == 1 && !writing_since) writing_since = now;
+    if (ipc::being_written(g) && !writing_since) writing_since = now;
     bool spin = now - start < kSpin || (writing_since && now - *writing_since < kWriteSpin);
     if (spin && now < deadline) {
       ipc::cpu_relax();
@@ -403,5 +489,12 @@ ReceivedBucket& ReceivedBucket::operator=(ReceivedBucket&&) noexcept = default;
 ReceivedBucket::~ReceivedBucket() = default;
 
 void ReceivedBucket::release() noexcept { lease_.reset(); }
+
+void ReceivedBucket::release(CudaStream stream) noexcept {
+  if (lease_) lease_->stream = stream;
+  lease_.reset();
+}
+
+PayloadLocation Subscriber::location() const noexcept { return state_->location; }
 
 }  // namespace tensorbucket

@@ -27,6 +27,10 @@ std::string_view to_string(ErrorCode code) noexcept {
     case ErrorCode::PermissionDenied: return "PermissionDenied";
     case ErrorCode::ChannelFull: return "ChannelFull";
     case ErrorCode::SystemError: return "SystemError";
+    case ErrorCode::CudaUnavailable: return "CudaUnavailable";
+    case ErrorCode::DeviceNotVisible: return "DeviceNotVisible";
+    case ErrorCode::CudaFailed: return "CudaFailed";
+    case ErrorCode::LocationMismatch: return "LocationMismatch";
   }
   return "Unknown";
 }

@@ -58,7 +58,8 @@ std::shared_ptr<const detail::VerifiedManifest> ManifestCache::verified(
 }
 
 BucketView BucketView::open(std::span<const std::byte> frame, std::span<const std::byte> payload,
-                            const VerifyOptions& options, ManifestCache* cache) {
+                            const VerifyOptions& options, ManifestCache* cache,
+                            PayloadLocation location) {
   auto header = read_header(frame);
   if (payload.data() == nullptr && header.payload_bytes != 0) {
     fail(ErrorCode::MissingPayload, "bucket has a manifest but no payload (", header.payload_bytes,
@@ -77,23 +78,25 @@ BucketView BucketView::open(std::span<const std::byte> frame, std::span<const st
   auto identity = detail::read_identity(encoded);
   detail::check_identity(identity);
   if (options.expected != nullptr) check_expected(verified->manifest, *options.expected);
-  if ((header.flags & kPayloadChecksum) && options.check_payload_checksum &&
+  if ((header.flags & kPayloadChecksum) && options.check_payload_checksum && location.on_host() &&
       xxh3(payload) != header.payload_xxh3) {
     fail(ErrorCode::ChecksumMismatch, "payload hash 0x", std::hex, xxh3(payload),
          " does not match the header's 0x", header.payload_xxh3);
   }
   return BucketView(std::move(verified), payload, identity.version, identity.bucket_index,
-                    identity.bucket_count);
+                    identity.bucket_count, location);
 }
 
 BucketView::BucketView(std::shared_ptr<const detail::VerifiedManifest> verified,
                        std::span<const std::byte> payload, std::uint64_t version,
-                       std::uint32_t bucket_index, std::uint32_t bucket_count)
+                       std::uint32_t bucket_index, std::uint32_t bucket_count,
+                       PayloadLocation location)
     : verified_(std::move(verified)),
       payload_(payload),
       version_(version),
       bucket_index_(bucket_index),
-      bucket_count_(bucket_count) {}
+      bucket_count_(bucket_count),
+      location_(location) {}
 
 const Manifest& BucketView::manifest() const noexcept {
   static const Manifest kEmpty;  // what a moved-from view shows

@@ -13,6 +13,7 @@ enum ExitCode : int {
   kProducerGone = 4,
   kVerificationFailed = 5,
   kChannelUnavailable = 6,
+  kDeviceError = 7,
 };
 
 constexpr int exit_code_for(ErrorCode code) {
@@ -37,7 +38,11 @@ constexpr int exit_code_for(ErrorCode code) {
     case ErrorCode::ProducerGone: return kProducerGone;
     case ErrorCode::ChannelExists:
     case ErrorCode::ChannelMissing:
-    case ErrorCode::PermissionDenied: return kChannelUnavailable;
+    case ErrorCode::PermissionDenied:
+    case ErrorCode::LocationMismatch: return kChannelUnavailable;
+    case ErrorCode::CudaUnavailable:
+    case ErrorCode::DeviceNotVisible:
+    case ErrorCode::CudaFailed: return kDeviceError;
     case ErrorCode::ChannelFull:
     case ErrorCode::SystemError: return kOtherError;
   }

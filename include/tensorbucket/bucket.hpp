@@ -33,6 +33,23 @@ namespace detail {
 struct VerifiedManifest;
 }  // namespace detail
 
+// Where a payload's bytes are: host memory, or the memory of one CUDA device (its ordinal in
+// this process: processes may number the same device differently).
+struct PayloadLocation {
+  enum class Kind : std::uint8_t { Host, Cuda };
+  Kind kind = Kind::Host;
+  int device = -1;  // the CUDA ordinal; -1 on the host
+
+  static PayloadLocation host() noexcept { return {}; }
+  static PayloadLocation cuda(int device) noexcept { return {Kind::Cuda, device}; }
+  bool on_host() const noexcept { return kind == Kind::Host; }
+  // "host" or "cuda:N"; parse() takes the same words ("cuda" alone is cuda:0) and throws
+  // InvalidArgument for anything else.
+  std::string to_string() const;
+  static PayloadLocation parse(std::string_view text);
+  friend bool operator==(const PayloadLocation&, const PayloadLocation&) = default;
+};
+
 // Heap bytes aligned to kPayloadAlignment, left uninitialized (packing overwrites them all).
 class AlignedBuffer {
  public:
@@ -100,6 +117,10 @@ class BucketBuilder {
   // Writable spans into `payload`, one per entry in manifest order, for in-place producers.
   std::vector<std::span<std::byte>> entry_spans(std::span<std::byte> payload) const;
 
+  // The address add() was given for each entry, in manifest order; null for declare()d
+  // entries. A device channel copies from these itself (they may be device addresses).
+  std::span<const std::byte* const> entry_sources() const noexcept { return sources_; }
+
   // Packs into a new buffer and encodes the frame. Same refusals as pack_into().
   PackedBucket pack(const EncodeOptions& options = {}) const;
 
@@ -116,7 +137,8 @@ class BucketBuilder {
   mutable std::uint64_t encoding_id_ = 0;   // see encoding_id(); 0 before the first encoding
 };
 
-// One entry of a verified bucket; points into the payload (no copy).
+// One entry of a verified bucket; points into the payload (no copy), host or device memory
+// as the view's location() says.
 struct TensorView {
   std::string_view name;
   DType dtype;
@@ -159,8 +181,14 @@ class BucketView {
   // `payload`. MissingManifest / MissingPayload when a half is absent; otherwise the code of
   // the first rule broken. `payload` may be longer than the header's payload_bytes.
   // With a `cache`, a manifest whose bytes were verified before is reused, not decoded again.
+  // A payload in device memory (`location` not the host) is never read here: its checksum,
+  // when asked for, is the caller's to check (the channel checks it on the device's side).
   static BucketView open(std::span<const std::byte> frame, std::span<const std::byte> payload,
-                         const VerifyOptions& options = {}, ManifestCache* cache = nullptr);
+                         const VerifyOptions& options = {}, ManifestCache* cache = nullptr,
+                         PayloadLocation location = {});
+
+  // Where the payload, and so every entry's bytes, lives.
+  PayloadLocation location() const noexcept { return location_; }
 
   // This bucket's identity, from its manifest.
   std::uint64_t version() const noexcept { return version_; }
@@ -181,13 +209,14 @@ class BucketView {
  private:
   BucketView(std::shared_ptr<const detail::VerifiedManifest> verified,
              std::span<const std::byte> payload, std::uint64_t version,
-             std::uint32_t bucket_index, std::uint32_t bucket_count);
+             std::uint32_t bucket_index, std::uint32_t bucket_count, PayloadLocation location);
 
   std::shared_ptr<const detail::VerifiedManifest> verified_;
   std::span<const std::byte> payload_;
   std::uint64_t version_ = 0;
   std::uint32_t bucket_index_ = 0;
   std::uint32_t bucket_count_ = 1;
+  PayloadLocation location_;
 };
 
 }  // namespace tensorbucket

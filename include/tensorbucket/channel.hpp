@@ -1,5 +1,6 @@
 // A channel: one producer process publishes buckets, up to max_consumers processes receive
-// them as verified zero-copy views, through POSIX shared memory on one host.
+// them as verified zero-copy views, through POSIX shared memory on one host. The payloads live
+// in host shared memory, or on one CUDA device (PublisherOptions::location).
 //
 // Semantics (docs/channel.md has the protocol and every crash case):
 // - Ordered and lossless: each registered consumer sees every bucket in order. Bucket b goes
@@ -18,6 +19,13 @@
 //   of the same channel name, while a live producer's channel gives ChannelExists.
 // - Timeouts bound every wait: zero (or less) looks once, milliseconds::max() waits without
 //   limit.
+//
+// - On a CUDA channel only the frames travel through shared memory: each slot's payload is a
+//   device allocation exported once, imported once by each consumer process, and ordered by
+//   events on the streams the caller names (CudaStream): a consumer's views are ready on the
+//   stream it received them on, and the producer rewrites a slot only after the work each
+//   consumer queued on its stream before releasing it. No call synchronizes the host, but
+//   for payload checksums. docs/channel.md, "CUDA".
 //
 // Thread safety: a Publisher or Subscriber is used by one thread at a time; a ReceivedBucket
 // may be read from many threads and released from any. Each is a per-process handle: in a
@@ -44,12 +52,17 @@ struct SubscriberState;
 struct Lease;
 }  // namespace detail
 
+// A CUDA stream (a CUstream or cudaStream_t, e.g. torch's current stream); nullptr is the
+// legacy default stream. Host channels ignore it.
+using CudaStream = void*;
+
 struct PublisherOptions {
   std::uint32_t slots = 2;          // 1..16 buckets in flight (2: double buffering)
   std::uint32_t max_consumers = 8;  // 1..64 consumer records
   std::uint32_t min_consumers = 1;  // releases each bucket needs before its slot is reused
   std::uint32_t mode = 0600;        // permission bits of every segment
   bool payload_checksum = false;    // hash every payload (one extra pass on each side)
+  PayloadLocation location = PayloadLocation::host();  // the host, or one CUDA device
 };
 
 class Reservation;
@@ -57,7 +70,8 @@ class Reservation;
 class Publisher {
  public:
   // Creates the channel. InvalidArgument for a bad name or options, ChannelExists when a live
-  // producer owns the name (a dead one's leftovers are removed first).
+  // producer owns the name (a dead one's leftovers are removed first); for a CUDA location,
+  // CudaUnavailable or DeviceNotVisible when this process cannot use that device.
   static Publisher create(std::string_view channel, const PublisherOptions& options = {});
 
   Publisher(Publisher&&) noexcept;
@@ -65,13 +79,17 @@ class Publisher {
   ~Publisher();  // close()
 
   // Copies `bucket` into the next slot and publishes it. False when no slot came free within
-  // `timeout`; then nothing was published.
-  bool publish(const BucketBuilder& bucket, std::chrono::milliseconds timeout);
+  // `timeout`; then nothing was published. On a CUDA channel the entries' addresses may be
+  // device or host memory; they are copied in one batch on `stream`, after the work queued
+  // on it before (so the caller's writes to them), and must stay valid until that is done.
+  bool publish(const BucketBuilder& bucket, std::chrono::milliseconds timeout, CudaStream stream = nullptr);
 
   // The in-place path: the next slot laid out like `layout` (its declare()d entries), for the
   // caller to write through Reservation::entry_spans() and publish with commit(). nullopt on
-  // timeout. Publish nothing else while a reservation is open.
-  std::optional<Reservation> reserve(const BucketBuilder& layout, std::chrono::milliseconds timeout);
+  // timeout. Publish nothing else while a reservation is open. On a CUDA channel the spans
+  // are device memory, to be written on `stream` (or before it, in stream order).
+  std::optional<Reservation> reserve(const BucketBuilder& layout, std::chrono::milliseconds timeout,
+                                     CudaStream stream = nullptr);
 
   // Waits until every live consumer released every published bucket (and min_consumers did).
   // False on timeout.
@@ -81,6 +99,8 @@ class Publisher {
   // consumers that held the slot (record, pid, bucket), or the releases min_consumers asks
   // for. Empty when the last call did not time out.
   const std::string& waiting_for() const noexcept;
+
+  PayloadLocation location() const noexcept;
 
   // Marks the channel closed, wakes consumers and removes every segment. Idempotent.
   void close() noexcept;
@@ -101,16 +121,19 @@ class Reservation {
   Reservation& operator=(Reservation&&) = delete;
   ~Reservation();
 
-  // Writable spans into shared memory, one per entry of the layout, in its order. They hold
-  // whatever the slot held before until written: write every entry.
+  // Writable spans into the slot, one per entry of the layout, in its order: host shared
+  // memory, or device memory as location() says. They hold whatever the slot held before
+  // until written: write every entry.
   std::span<const std::span<std::byte>> entry_spans() const noexcept { return spans_; }
+  PayloadLocation location() const noexcept;
 
   // Copies entry `index`'s bytes (its byte_length) from `data` into its span, as packing does:
-  // with non-temporal stores when the payload is large. InvalidArgument past the last entry
-  // or after commit().
+  // with non-temporal stores when the payload is large; on a device, a copy queued on the
+  // reservation's stream. InvalidArgument past the last entry or after commit().
   void write(std::size_t index, const void* data);
 
-  // Publishes what was written. InvalidArgument when called twice.
+  // Publishes what was written (on a device: what was queued on the reservation's stream
+  // so far). InvalidArgument when called twice.
   void commit();
 
  private:
@@ -138,8 +161,11 @@ class ReceivedBucket {
   std::uint64_t publish_start_ns() const noexcept { return publish_start_ns_; }
   std::uint64_t published_ns() const noexcept { return published_ns_; }
 
-  // Gives the slot back early. The views must not be used afterwards.
+  // Gives the slot back early. The views must not be used afterwards. On a CUDA channel the
+  // release is ordered after the work queued on `stream` so far (by default the stream the
+  // bucket was received on): the producer's rewrite of the slot waits for it on the device.
   void release() noexcept;
+  void release(CudaStream stream) noexcept;
 
  private:
   friend class Subscriber;
@@ -156,7 +182,11 @@ class Subscriber {
  public:
   // Attaches, waiting up to `timeout` for the channel to appear. ChannelMissing when it does
   // not, PermissionDenied when it is not ours, ChannelFull when every consumer record is taken.
-  static Subscriber attach(std::string_view channel, std::chrono::milliseconds timeout);
+  // With `expected`, LocationMismatch unless the channel's payloads live there (host or CUDA;
+  // the device is the channel's). A CUDA channel needs CUDA in this process: CudaUnavailable
+  // otherwise, and DeviceNotVisible when its device is not among ours.
+  static Subscriber attach(std::string_view channel, std::chrono::milliseconds timeout,
+                           std::optional<PayloadLocation::Kind> expected = std::nullopt);
 
   Subscriber(Subscriber&&) noexcept;
   Subscriber& operator=(Subscriber&&) noexcept;
@@ -168,11 +198,14 @@ class Subscriber {
   // also when another process truncated the slot's segment under it. SystemError when
   // another process took this consumer's record or truncated the control segment: the
   // subscriber is then unusable and must attach again.
+  // On a CUDA channel the views are device memory, ready for work queued on `stream`.
   std::optional<ReceivedBucket> next(std::chrono::milliseconds timeout,
-                                     const VerifyOptions& options = {});
+                                     const VerifyOptions& options = {}, CudaStream stream = nullptr);
   std::optional<ReceivedBucket> try_next(const VerifyOptions& options = {});
 
   const std::string& channel() const noexcept;
+  // The channel's payload location, as this process numbers its devices.
+  PayloadLocation location() const noexcept;
 
  private:
   explicit Subscriber(std::shared_ptr<detail::SubscriberState> state);
@@ -188,6 +221,8 @@ struct ChannelInfo {
     std::uint32_t release_count;
     std::string segment;                   // its shared-memory object, empty when none
     std::uint64_t segment_bytes;
+    std::uint64_t epoch;                   // its storage epoch (a new one when it grew)
+    std::uint64_t payload_capacity;
   };
   struct Consumer {
     std::uint32_t record;
@@ -201,6 +236,7 @@ struct ChannelInfo {
   std::string control_segment;
   std::uint32_t slots, max_consumers, min_consumers;
   bool payload_checksum;
+  std::string location;                    // "host", or "cuda GPU-<uuid>"
   std::int32_t producer_pid;
   bool producer_pid_elsewhere;
   bool producer_alive;

@@ -38,6 +38,10 @@ enum class ErrorCode : std::uint8_t {
   PermissionDenied,     // the channel belongs to another user, or its mode forbids access
   ChannelFull,          // every consumer record of the channel is taken
   SystemError,          // the operating system refused (shared memory, mapping, futex)
+  CudaUnavailable,      // a device channel needs CUDA, and this process has no driver or no device
+  DeviceNotVisible,     // the channel's device (by UUID) is not among this process's devices
+  CudaFailed,           // a CUDA driver call failed; the message names the call and its error
+  LocationMismatch,     // the channel's payloads live elsewhere than this consumer asked for
 };
 
 // The enumerator's name, e.g. "ChecksumMismatch".

@@ -1,0 +1,252 @@
+// The CUDA driver behind the DeviceApi table (device.hpp), found at run time: dlopen of
+// libcuda.so.1, then every entry point through cuGetProcAddress at the CUDA version whose
+// signature is written below. So the library needs no CUDA toolkit to build (pip builds
+// included), links no libcuda (a host-only user needs no driver), and stays apart from the
+// CUDA runtime a torch wheel bundles: driver calls act on the device's primary context, the
+// one torch's runtime uses too.
+//
+// The types below are the driver's stable C ABI, declared here rather than taken from cuda.h
+// for that reason; tests/test_cuda.cpp checks them against cuda.h where the toolkit is.
+#include <dlfcn.h>
+
+#include <mutex>
+#include <vector>
+
+#include "cuda_driver.hpp"
+#include "serialize/text.hpp"
+
+namespace tensorbucket::ipc::cuda {
+
+namespace {
+
+struct Driver {
+  CUresult (*init)(unsigned flags);
+  CUresult (*device_count)(int* count);
+  CUresult (*device_get)(CUdevice* device, int ordinal);
+  CUresult (*device_uuid)(CUuuid* uuid, CUdevice device);
+  CUresult (*retain_primary)(CUcontext* context, CUdevice device);
+  CUresult (*push_context)(CUcontext context);
+  CUresult (*pop_context)(CUcontext* context);
+  CUresult (*allocate)(CUdeviceptr* address, std::size_t bytes);
+  CUresult (*free)(CUdeviceptr address);
+  CUresult (*export_memory)(CUipcMemHandle* handle, CUdeviceptr address);
+  CUresult (*import_memory)(CUdeviceptr* address, CUipcMemHandle handle, unsigned flags);
+  CUresult (*close_memory)(CUdeviceptr address);
+  CUresult (*address_range)(CUdeviceptr* base, std::size_t* size, CUdeviceptr address);
+  CUresult (*create_event)(CUevent* event, unsigned flags);
+  CUresult (*export_event)(CUipcEventHandle* handle, CUevent event);
+  CUresult (*import_event)(CUevent* event, CUipcEventHandle handle);
+  CUresult (*destroy_event)(CUevent event);
+  CUresult (*record_event)(CUevent event, CUstream stream);
+  CUresult (*wait_event)(CUstream stream, CUevent event, unsigned flags);
+  CUresult (*copy_batch)(CUdeviceptr* to, CUdeviceptr* from, std::size_t* bytes, std::size_t count,
+                         CUmemcpyAttributes* attributes, std::size_t* attribute_indices,
+                         std::size_t attribute_count, std::size_t* failed_index, CUstream stream);
+  CUresult (*copy)(CUdeviceptr to, CUdeviceptr from, std::size_t bytes, CUstream stream);
+  CUresult (*zero)(CUdeviceptr address, unsigned char value, std::size_t bytes, CUstream stream);
+  CUresult (*synchronize)(CUstream stream);
+  CUresult (*synchronize_event)(CUevent event);
+  CUresult (*error_name)(CUresult code, const char** name);
+};
+
+Driver driver{};
+std::mutex contexts_mutex;
+std::vector<CUcontext> primary_contexts;  // by ordinal; retained for the process's life
+
+int device_count(int* count) { return driver.device_count(count); }
+
+int device_uuid(int ordinal, DeviceUuid* uuid) {
+  CUdevice device = 0;
+  if (auto code = driver.device_get(&device, ordinal)) return code;
+  CUuuid raw{};
+  if (auto code = driver.device_uuid(&raw, device)) return code;
+  std::memcpy(uuid->data(), raw.bytes, uuid->size());
+  return 0;
+}
+
+int enter(int ordinal) {
+  CUcontext context = nullptr;
+  {
+    std::lock_guard lock(contexts_mutex);
+    if (ordinal < 0) return kErrorInvalidDevice;
+    if (primary_contexts.size() <= static_cast<std::size_t>(ordinal)) primary_contexts.resize(ordinal + 1);
+    if (primary_contexts[ordinal] == nullptr) {
+      CUdevice device = 0;
+      if (auto code = driver.device_get(&device, ordinal)) return code;
+      if (auto code = driver.retain_primary(&primary_contexts[ordinal], device)) return code;
+    }
+    context = primary_contexts[ordinal];
+  }
+  return driver.push_context(context);
+}
+
+int leave() {
+  CUcontext popped = nullptr;
+  return driver.pop_context(&popped);
+}
+
+int allocate(DeviceAddress* address, std::uint64_t bytes) { return driver.allocate(address, bytes); }
+int release(DeviceAddress address) { return driver.free(address); }
+
+int export_memory(DeviceHandle* handle, DeviceAddress address) {
+  CUipcMemHandle raw{};
+  if (auto code = driver.export_memory(&raw, address)) return code;
+  std::memcpy(handle->bytes.data(), raw.reserved, handle->bytes.size());
+  return 0;
+}
+
+int import_memory(DeviceAddress* address, std::uint64_t* bytes, const DeviceHandle& handle) {
+  CUipcMemHandle raw{};
+  std::memcpy(raw.reserved, handle.bytes.data(), handle.bytes.size());
+  if (auto code = driver.import_memory(address, raw, kIpcMemLazyEnablePeerAccess)) return code;
+  CUdeviceptr base = 0;
+  std::size_t size = 0;
+  if (auto code = driver.address_range(&base, &size, *address)) {
+    driver.close_memory(*address);
+    return code;
+  }
+  *bytes = size - (*address - base);
+  return 0;
+}
+
+int close_memory(DeviceAddress address) { return driver.close_memory(address); }
+
+int create_event(DeviceEvent* event) {
+  return driver.create_event(reinterpret_cast<CUevent*>(event), kEventDisableTiming | kEventInterprocess);
+}
+
+int export_event(DeviceHandle* handle, DeviceEvent event) {
+  CUipcEventHandle raw{};
+  if (auto code = driver.export_event(&raw, static_cast<CUevent>(event))) return code;
+  std::memcpy(handle->bytes.data(), raw.reserved, handle->bytes.size());
+  return 0;
+}
+
+int import_event(DeviceEvent* event, const DeviceHandle& handle) {
+  CUipcEventHandle raw{};
+  std::memcpy(raw.reserved, handle.bytes.data(), handle.bytes.size());
+  return driver.import_event(reinterpret_cast<CUevent*>(event), raw);
+}
+
+int destroy_event(DeviceEvent event) { return driver.destroy_event(static_cast<CUevent>(event)); }
+int record_event(DeviceEvent event, DeviceStream stream) {
+  return driver.record_event(static_cast<CUevent>(event), static_cast<CUstream>(stream));
+}
+int wait_event(DeviceStream stream, DeviceEvent event) {
+  return driver.wait_event(static_cast<CUstream>(stream), static_cast<CUevent>(event), 0);
+}
+
+int copy(const DeviceCopy* copies, std::size_t count, DeviceStream stream) {
+  if (count == 0) return 0;
+  // The batched call refuses the legacy default stream, and drivers before 12.8 lack it.
+  if (driver.copy_batch != nullptr && stream != nullptr && count > 1) {
+    std::vector<CUdeviceptr> to(count), from(count);
+    std::vector<std::size_t> bytes(count);
+    for (std::size_t i = 0; i < count; ++i) {
+      to[i] = copies[i].to;
+      from[i] = copies[i].from;
+      bytes[i] = copies[i].bytes;
+    }
+    // One attribute for every copy: sources are read in stream order (they may be written
+    // by work queued before on the same stream).
+    CUmemcpyAttributes attributes{};
+    attributes.source_access_order = kMemcpySourceAccessOrderStream;
+    std::size_t first = 0, failed = 0;
+    return driver.copy_batch(to.data(), from.data(), bytes.data(), count, &attributes, &first, 1, &failed,
+                             static_cast<CUstream>(stream));
+  }
+  for (std::size_t i = 0; i < count; ++i) {
+    if (auto code = driver.copy(copies[i].to, copies[i].from, copies[i].bytes, static_cast<CUstream>(stream))) {
+      return code;
+    }
+  }
+  return 0;
+}
+
+int zero(DeviceAddress address, std::uint64_t bytes, DeviceStream stream) {
+  return driver.zero(address, 0, bytes, static_cast<CUstream>(stream));
+}
+
+int synchronize(DeviceStream stream) { return driver.synchronize(static_cast<CUstream>(stream)); }
+int synchronize_event(DeviceEvent event) { return driver.synchronize_event(static_cast<CUevent>(event)); }
+
+const char* error_name(int code) {
+  const char* name = nullptr;
+  if (driver.error_name == nullptr || driver.error_name(code, &name) != 0 || name == nullptr) return "unknown";
+  return name;
+}
+
+constexpr DeviceApi kDriverApi{
+    "the CUDA driver", device_count, device_uuid, enter,          leave,         allocate,
+    release,           export_memory, import_memory, close_memory, create_event, export_event,
+    import_event,      destroy_event, record_event, wait_event,    copy,          zero,
+    synchronize,       synchronize_event, error_name,
+};
+
+const DeviceApi* load() {
+  // Never unloaded: device memory and contexts live until the process ends.
+  void* library = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (library == nullptr) {
+    const char* why = ::dlerror();
+    text::fail(ErrorCode::CudaUnavailable, "no CUDA driver in this process (", why ? why : "libcuda.so.1 not found",
+               ")");
+  }
+  using GetProcAddress = CUresult (*)(const char*, void**, int, std::uint64_t, int*);
+  auto get_proc_address = reinterpret_cast<GetProcAddress>(::dlsym(library, "cuGetProcAddress_v2"));
+  if (get_proc_address == nullptr) {
+    text::fail(ErrorCode::CudaUnavailable, "the CUDA driver is older than CUDA 12 (no cuGetProcAddress_v2)");
+  }
+  // The entry point with the signature declared for it in Driver: that of `version`.
+  auto resolve = [&](auto& slot, const char* symbol, int version, bool required = true) {
+    void* function = nullptr;
+    int found = 0;
+    if (get_proc_address(symbol, &function, version, kGetProcAddressLegacyStream, &found) != 0 ||
+        function == nullptr) {
+      if (required) text::fail(ErrorCode::CudaUnavailable, "the CUDA driver lacks ", symbol);
+      function = nullptr;
+    }
+    slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(function);
+  };
+  resolve(driver.init, "cuInit", 12000);
+  resolve(driver.error_name, "cuGetErrorName", 12000);
+  if (auto code = driver.init(0)) {
+    text::fail(ErrorCode::CudaUnavailable, "the CUDA driver found no usable device (cuInit: ",
+               error_name(code), ")");
+  }
+  resolve(driver.device_count, "cuDeviceGetCount", 12000);
+  resolve(driver.device_get, "cuDeviceGet", 12000);
+  resolve(driver.device_uuid, "cuDeviceGetUuid", 12000);
+  resolve(driver.retain_primary, "cuDevicePrimaryCtxRetain", 12000);
+  resolve(driver.push_context, "cuCtxPushCurrent", 12000);
+  resolve(driver.pop_context, "cuCtxPopCurrent", 12000);
+  resolve(driver.allocate, "cuMemAlloc", 12000);
+  resolve(driver.free, "cuMemFree", 12000);
+  resolve(driver.export_memory, "cuIpcGetMemHandle", 12000);
+  resolve(driver.import_memory, "cuIpcOpenMemHandle", 12000);
+  resolve(driver.close_memory, "cuIpcCloseMemHandle", 12000);
+  resolve(driver.address_range, "cuMemGetAddressRange", 12000);
+  resolve(driver.create_event, "cuEventCreate", 12000);
+  resolve(driver.export_event, "cuIpcGetEventHandle", 12000);
+  resolve(driver.import_event, "cuIpcOpenEventHandle", 12000);
+  resolve(driver.destroy_event, "cuEventDestroy", 12000);
+  resolve(driver.record_event, "cuEventRecord", 12000);
+  resolve(driver.wait_event, "cuStreamWaitEvent", 12000);
+  resolve(driver.copy_batch, "cuMemcpyBatchAsync", 12080, false);
+  resolve(driver.copy, "cuMemcpyAsync", 12000);
+  resolve(driver.zero, "cuMemsetD8Async", 12000);
+  resolve(driver.synchronize, "cuStreamSynchronize", 12000);
+  resolve(driver.synchronize_event, "cuEventSynchronize", 12000);
+  return &kDriverApi;
+}
+
+}  // namespace
+
+const DeviceApi& driver_api() {
+  static const DeviceApi* loaded = nullptr;
+  static std::mutex mutex;
+  std::lock_guard lock(mutex);
+  if (loaded == nullptr) loaded = load();  // a failure is retried, and reported, next time
+  return *loaded;
+}
+
+}  // namespace tensorbucket::ipc::cuda

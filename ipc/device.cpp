@@ -1,0 +1,69 @@
+#include "device.hpp"
+
+#include <atomic>
+#include <cstdio>
+
+#include "cuda_driver.hpp"
+#include "serialize/text.hpp"
+
+namespace tensorbucket::ipc {
+
+namespace {
+std::atomic<const DeviceApi*> stand_in{nullptr};
+}  // namespace
+
+const DeviceApi& device_api() {
+  if (const auto* api = stand_in.load(std::memory_order_acquire)) return *api;
+  return cuda::driver_api();
+}
+
+void install_device_api(const DeviceApi* api) { stand_in.store(api, std::memory_order_release); }
+
+void check_device(int code, const char* call) {
+  if (code == 0) return;
+  const auto& api = device_api();
+  text::fail(ErrorCode::CudaFailed, call, " failed in ", api.name, ": ", api.error_name(code), " (", code, ")");
+}
+
+DeviceUuid device_uuid(int ordinal) {
+  const auto& api = device_api();
+  int count = 0;
+  check_device(api.device_count(&count), "cuDeviceGetCount");
+  if (ordinal < 0 || ordinal >= count) {
+    text::fail(ErrorCode::DeviceNotVisible, "CUDA device ", ordinal, " is not visible here: this process sees ",
+               count, " device", count == 1 ? "" : "s");
+  }
+  DeviceUuid uuid{};
+  check_device(api.device_uuid(ordinal, &uuid), "cuDeviceGetUuid");
+  return uuid;
+}
+
+int device_ordinal(const DeviceUuid& uuid) {
+  const auto& api = device_api();
+  int count = 0;
+  check_device(api.device_count(&count), "cuDeviceGetCount");
+  for (int ordinal = 0; ordinal < count; ++ordinal) {
+    DeviceUuid seen{};
+    check_device(api.device_uuid(ordinal, &seen), "cuDeviceGetUuid");
+    if (seen == uuid) return ordinal;
+  }
+  text::fail(ErrorCode::DeviceNotVisible, "CUDA device ", describe(uuid), " is not among the ", count,
+             " device", count == 1 ? "" : "s",
+             " this process sees (check CUDA_VISIBLE_DEVICES)");
+}
+
+std::string describe(const DeviceUuid& uuid) {
+  std::string text = "GPU-";
+  char hex[3];
+  for (std::size_t i = 0; i < uuid.size(); ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) text += '-';
+    std::snprintf(hex, sizeof hex, "%02x", uuid[i]);
+    text += hex;
+  }
+  return text;
+}
+
+DeviceScope::DeviceScope(int ordinal) { check_device(device_api().enter(ordinal), "cuCtxPushCurrent"); }
+DeviceScope::~DeviceScope() { device_api().leave(); }
+
+}  // namespace tensorbucket::ipc

@@ -1,0 +1,88 @@
+// Internal: the CUDA calls a device channel makes, as one narrow table of functions.
+//
+// Two implementations: the CUDA driver (cuda_driver.cpp), loaded with dlopen on first use, so
+// the library neither links libcuda nor ties itself to the CUDA runtime torch ships
+// (docs/channel.md, "CUDA"); and, in tests, a stand-in over host memory
+// (tests/device_standin.cpp), so the device path's protocol runs where there is no GPU.
+// Addresses are unified: a copy's ends may each be host or device memory.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace tensorbucket::ipc {
+
+inline constexpr std::size_t kDeviceHandleBytes = 64;  // CU_IPC_HANDLE_SIZE
+
+// An exported memory or event handle, as the driver writes it: opaque bytes.
+struct DeviceHandle {
+  std::array<std::uint8_t, kDeviceHandleBytes> bytes;
+};
+using DeviceUuid = std::array<std::uint8_t, 16>;
+using DeviceAddress = unsigned long long;  // CUdeviceptr
+using DeviceStream = void*;           // CUstream; null: the legacy default stream
+using DeviceEvent = void*;            // CUevent
+
+struct DeviceCopy {
+  DeviceAddress to;
+  DeviceAddress from;
+  std::uint64_t bytes;
+};
+
+// Every call returns 0 or the driver's error code (a CUresult). Calls that act on a device
+// run with that device's context current (DeviceScope).
+struct DeviceApi {
+  const char* name;  // for messages: "the CUDA driver"
+  int (*device_count)(int* count);
+  int (*device_uuid)(int ordinal, DeviceUuid* uuid);
+  int (*enter)(int ordinal);  // makes the device's primary context current on this thread
+  int (*leave)();             // restores the context current before enter()
+  int (*allocate)(DeviceAddress* address, std::uint64_t bytes);
+  int (*release)(DeviceAddress address);
+  int (*export_memory)(DeviceHandle* handle, DeviceAddress address);
+  // The address it is mapped at, and the size of the allocation mapped there.
+  int (*import_memory)(DeviceAddress* address, std::uint64_t* bytes, const DeviceHandle& handle);
+  int (*close_memory)(DeviceAddress address);
+  int (*create_event)(DeviceEvent* event);  // interprocess, without timing
+  int (*export_event)(DeviceHandle* handle, DeviceEvent event);
+  int (*import_event)(DeviceEvent* event, const DeviceHandle& handle);
+  int (*destroy_event)(DeviceEvent event);
+  int (*record_event)(DeviceEvent event, DeviceStream stream);
+  int (*wait_event)(DeviceStream stream, DeviceEvent event);
+  // Every copy of the batch, in one submission where the driver can (cuMemcpyBatchAsync).
+  int (*copy)(const DeviceCopy* copies, std::size_t count, DeviceStream stream);
+  int (*zero)(DeviceAddress address, std::uint64_t bytes, DeviceStream stream);
+  int (*synchronize)(DeviceStream stream);
+  int (*synchronize_event)(DeviceEvent event);
+  const char* (*error_name)(int code);
+};
+
+// The table device channels use: the stand-in when one is installed, else the CUDA driver,
+// loaded once; CudaUnavailable when there is no driver or it has no device.
+const DeviceApi& device_api();
+
+// Tests: every later device_api() answers with `stand_in`; nullptr returns to the driver.
+void install_device_api(const DeviceApi* stand_in);
+
+// Throws CudaFailed naming `call` and the error, unless `code` is 0.
+void check_device(int code, const char* call);
+
+// The UUID of this process's device `ordinal`; DeviceNotVisible when there is no such device.
+DeviceUuid device_uuid(int ordinal);
+// This process's ordinal of the device with `uuid`; DeviceNotVisible when it sees none.
+int device_ordinal(const DeviceUuid& uuid);
+// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi names devices.
+std::string describe(const DeviceUuid& uuid);
+
+// The device's context current on this thread while it lives; the caller's afterwards.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int ordinal);
+  ~DeviceScope();
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+};
+
+}  // namespace tensorbucket::ipc

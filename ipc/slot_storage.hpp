@@ -1,0 +1,113 @@
+// Internal: where a slot's bucket lives, the one place that knows. The protocol (control.hpp,
+// publisher.cpp, subscriber.cpp) asks a slot for its frame and its payload and looks no
+// further.
+//
+// Every slot has, per storage epoch, a shared-memory segment "<control>.slot<s>.<epoch>"
+// holding the frame (header + manifest):
+// - host: the payload comes first in that segment, the frame follows at payload_capacity;
+// - CUDA: the frame is at offset 0, and the payload is a device allocation of the
+//   producer's, exported once per epoch with an interprocess event that the producer records
+//   after writing it. Consumers import both once per (producer, slot, epoch) and keep them.
+// A slot gets a new epoch, with all new storage, when a bucket does not fit or another process
+// truncated its segment.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "control.hpp"
+#include "device.hpp"
+#include "segment.hpp"
+
+namespace tensorbucket::ipc {
+
+// Where the frame starts in a slot's segment.
+constexpr std::uint64_t frame_offset(PayloadHome home, std::uint64_t payload_capacity) {
+  return home == PayloadHome::kHost ? payload_capacity : 0;
+}
+
+// The producer's storage of one slot. It keeps what it allocated and never reads its own
+// fields back from shared memory.
+class SlotStorage {
+ public:
+  // `device`: the CUDA ordinal (in this process) that holds the payloads; none: the host.
+  SlotStorage(std::string channel, std::uint32_t slot, mode_t mode, std::optional<int> device);
+  SlotStorage(SlotStorage&&) noexcept;
+  SlotStorage& operator=(SlotStorage&&) = delete;
+  ~SlotStorage();
+
+  // Room for a payload of `payload_bytes` and a frame of `frame_bytes`: true when that took a
+  // new epoch (the present storage was too small, or truncated by another process).
+  bool fit(std::uint64_t payload_bytes, std::uint64_t frame_bytes);
+
+  std::span<std::byte> frame() const noexcept;
+  // The payload's first byte: a host address, or a device address on a CUDA slot.
+  std::byte* payload() const noexcept;
+  bool on_device() const noexcept { return device_ != nullptr; }
+  bool damaged() const noexcept { return segment_ && segment_->damaged(); }
+  std::uint64_t epoch() const noexcept { return epoch_; }
+
+  // Writes what consumers need to find this bucket into the slot's shared fields.
+  void describe(SlotControl& shared, SlotDevice& device, std::uint64_t frame_bytes) const;
+
+  // CUDA: records the ready event on `stream`, after the work that wrote the payload.
+  void record_ready(DeviceStream stream) const;
+
+  // Unlinks the present epoch's segment (mappings stay valid).
+  void remove() noexcept;
+
+ private:
+  struct Device;
+  std::string channel_;
+  std::uint32_t slot_;
+  mode_t mode_;
+  std::optional<int> ordinal_;
+  std::optional<Segment> segment_;
+  std::unique_ptr<Device> device_;
+  std::uint64_t epoch_ = 0;
+  std::uint64_t payload_capacity_ = 0;
+  std::uint64_t frame_capacity_ = 0;
+};
+
+// A CUDA payload a consumer imported: open while any holder of it lives, closed after.
+struct ImportedPayload;
+
+// What a consumer mapped of one slot's bucket. Holding it keeps the memory mapped.
+struct SlotMapping {
+  std::shared_ptr<Segment> segment;
+  std::shared_ptr<const ImportedPayload> imported;  // CUDA only
+  std::span<const std::byte> frame;
+  std::span<const std::byte> payload;  // host or device addresses, as far as is mapped
+  DeviceEvent ready = nullptr;         // CUDA: wait on it before the payload is read
+  int device = -1;                     // CUDA: this process's ordinal of the payload's device
+};
+
+// A consumer's reader of one slot: maps each epoch once.
+class SlotReader {
+ public:
+  SlotReader(std::string channel, std::uint32_t slot, PayloadHome home, std::uint64_t incarnation);
+
+  // The slot's bucket, found through its shared fields. Anyone can write those: each is read
+  // once and checked against what this process mapped (HeaderCorrupt when it does not fit).
+  // nullopt when the slot's segment does not exist (the producer may be gone).
+  std::optional<SlotMapping> map(SlotControl& shared, SlotDevice& device);
+
+ private:
+  std::string channel_;
+  std::uint32_t slot_;
+  PayloadHome home_;
+  std::uint64_t incarnation_;
+  std::uint64_t epoch_ = 0;
+  std::shared_ptr<Segment> segment_;
+  std::shared_ptr<const ImportedPayload> imported_;
+};
+
+// Imports of this process that are open now, for tests and `inspect`.
+std::size_t open_device_imports();
+
+}  // namespace tensorbucket::ipc
