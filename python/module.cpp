@@ -613,6 +613,7 @@ PYBIND11_MODULE(tensorbucket, m) {
   static py::exception<Error> timeout(m, "Timeout", error.ptr());
   static py::exception<Error> producer_gone(m, "ProducerGone", error.ptr());
   static py::exception<Error> channel_error(m, "ChannelError", error.ptr());
+  static py::exception<Error> device_error(m, "DeviceError", error.ptr());
   py::register_exception_translator([](std::exception_ptr raised) {
     try {
       if (raised) std::rethrow_exception(raised);
@@ -626,7 +627,11 @@ PYBIND11_MODULE(tensorbucket, m) {
         case ErrorCode::ChannelExists:
         case ErrorCode::ChannelMissing:
         case ErrorCode::PermissionDenied:
-        case ErrorCode::ChannelFull: raise_as(channel_error, message); return;
+        case ErrorCode::ChannelFull:
+        case ErrorCode::LocationMismatch: raise_as(channel_error, message); return;
+        case ErrorCode::CudaUnavailable:
+        case ErrorCode::DeviceNotVisible:
+        case ErrorCode::CudaFailed: raise_as(device_error, message); return;
         case ErrorCode::InvalidArgument:
         case ErrorCode::SystemError: raise_as(error, message); return;
         // Every way a bucket fails verification. Listed, not a default: a new code must be
