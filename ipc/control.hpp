@@ -133,6 +133,7 @@ struct ControlBlock {
   std::uint16_t payload_home;   // a PayloadHome
   std::uint16_t reserved[3];
   std::uint64_t incarnation;    // random, new for each producer: what consumers key imports by
+  DeviceUuid device;            // a CUDA channel's device
   SlotControl slots[kMaxSlots];
   ConsumerRecord consumers[kMaxConsumers];
   SlotDevice device_slots[kMaxSlots];        // CUDA channels only

@@ -67,7 +67,7 @@ ChannelInfo inspect_channel(std::string_view channel) {
   info.payload_checksum = control->payload_checksum != 0;
   auto home = ipc::atomic(control->payload_home).load(std::memory_order_relaxed) == 0 ? ipc::PayloadHome::kHost
                                                                                        : ipc::PayloadHome::kCuda;
-  info.location = home == ipc::PayloadHome::kHost ? "host" : "cuda " + ipc::describe(control->device_slots[0].device);
+  info.location = home == ipc::PayloadHome::kHost ? "host" : "cuda " + ipc::describe(control->device);
   auto ours = ipc::pid_namespace();
   auto elsewhere = [&](const ipc::ProcessLabel& label) {
     return label.pid_namespace != 0 && ours != 0 && label.pid_namespace != ours;

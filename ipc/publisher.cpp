@@ -508,7 +508,8 @@ Publisher Publisher::create(std::string_view channel, const PublisherOptions& op
   ipc::validate_channel_name(channel);
   validate(options);
   // Before the name is taken: CudaUnavailable or DeviceNotVisible leave nothing behind.
-  if (!options.location.on_host()) ipc::device_uuid(options.location.device);
+  ipc::DeviceUuid device{};
+  if (!options.location.on_host()) device = ipc::device_uuid(options.location.device);
   auto segment = take_name(channel, ipc::control_segment_name(channel), options.mode);
   auto* control = reinterpret_cast<ipc::ControlBlock*>(segment.data());
   control->layout_version = ipc::kControlLayoutVersion;
@@ -519,6 +520,7 @@ Publisher Publisher::create(std::string_view channel, const PublisherOptions& op
   control->payload_home = static_cast<std::uint16_t>(options.location.on_host() ? ipc::PayloadHome::kHost
                                                                                   : ipc::PayloadHome::kCuda);
   control->incarnation = new_incarnation();
+  control->device = device;
   ipc::store_label(control->producer, ipc::this_process());
   // Release: a consumer that reads the magic sees every field above.
   ipc::atomic(control->magic).store(ipc::kControlMagic, std::memory_order_release);

@@ -357,8 +357,7 @@ Subscriber Subscriber::attach(std::string_view channel, std::chrono::millisecond
   auto state = std::make_shared<detail::SubscriberState>(std::string(channel), std::move(*segment), slot_count,
                                                          payload_home, incarnation);
   if (payload_home == ipc::PayloadHome::kCuda) {
-    // The device of slot 0's storage, or of the producer's create: every slot is on it.
-    auto uuid = control->device_slots[0].device;
+    auto uuid = control->device;  // one copy
     auto ordinal = ipc::device_ordinal(uuid);
     state->location = PayloadLocation::cuda(ordinal);
     state->release_events.emplace(ordinal, slot_count);

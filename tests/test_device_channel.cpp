@@ -1,0 +1,302 @@
+// The device path of a channel (a CUDA payload location) against the host stand-in of the
+// CUDA driver (device_standin.hpp): handles exported once and imported once per epoch, the
+// device chosen by UUID, events plumbed through the control block both ways, errors, and
+// consumers refused for the wrong location. Runs without a GPU; tests/test_cuda.cpp and
+// scripts/gpu-check run the same path on one.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "channel_support.hpp"
+#include "device_standin.hpp"
+#include "ipc/slot_storage.hpp"
+#include "support.hpp"
+
+namespace tensorbucket {
+namespace {
+
+using namespace std::chrono_literals;
+using cli::Workload;
+using test::Child;
+using test::expect_error;
+using test::next_bucket;
+using test::segments_of;
+using test::StandIn;
+
+class DeviceChannel : public test::ChannelTest {
+ protected:
+  test::StandInScope stand_in;
+  PublisherOptions on_device(std::uint32_t ordinal = 0) {
+    PublisherOptions options;
+    options.location = PayloadLocation::cuda(static_cast<int>(ordinal));
+    return options;
+  }
+};
+
+bool contains(const std::vector<std::uint64_t>& ids, std::uint64_t id) {
+  return std::find(ids.begin(), ids.end(), id) != ids.end();
+}
+
+TEST_F(DeviceChannel, ForkedConsumerReceivesEveryByteOfEveryBucket) {
+  Workload workload{.buckets = 60, .tensors = 12, .tensor_bytes = 3000};
+  auto publisher = Publisher::create(channel, on_device());
+  Child consumer([&] {
+    auto subscriber = Subscriber::attach(channel, 10s, PayloadLocation::Kind::Cuda);
+    for (std::uint64_t i = 0; i < workload.buckets; ++i) {
+      auto bucket = subscriber.next(10s);
+      if (!bucket || bucket->sequence() != i) return 3;
+      if (bucket->view().location() != PayloadLocation::cuda(0)) return 4;
+      if (!cli::check_bucket(bucket->view(), workload.seed, i).empty()) return 5;
+    }
+    // Two slots, one epoch each: each imported once, whatever the bucket count.
+    return StandIn::memory_imports == 2 ? 0 : 6;
+  });
+  for (std::uint64_t i = 0; i < workload.buckets; ++i) {
+    auto bucket = cli::make_bucket(workload, i);
+    ASSERT_TRUE(publisher.publish(bucket.builder, 10s));
+  }
+  EXPECT_EQ(consumer.wait(), 0);
+  // One batched copy per bucket, not one per tensor.
+  EXPECT_EQ(StandIn::copy_calls, static_cast<int>(workload.buckets));
+  EXPECT_EQ(StandIn::copies, static_cast<int>(workload.buckets * workload.tensors));
+}
+
+TEST_F(DeviceChannel, SlotsAreImportedOncePerEpochAndClosedWhenReplaced) {
+  auto publisher = Publisher::create(channel, on_device());
+  auto subscriber = Subscriber::attach(channel, 1s);
+  for (std::uint64_t i = 0; i < 10; ++i) {
+    auto bucket = cli::make_bucket({.tensors = 4, .tensor_bytes = 1024}, i);
+    ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
+    next_bucket(subscriber);
+  }
+  EXPECT_EQ(StandIn::memory_imports, 2);
+  EXPECT_EQ(ipc::open_device_imports(), 2u);
+  // A bucket that does not fit takes its slot to a new epoch: new memory, imported once more,
+  // and the old import closed once nothing holds it.
+  auto large = cli::make_bucket({.tensors = 4, .tensor_bytes = 64 * 1024}, 10);
+  ASSERT_TRUE(publisher.publish(large.builder, 1s));
+  {
+    auto received = next_bucket(subscriber);
+    EXPECT_TRUE(cli::check_bucket(received.view(), 1, 10).empty());
+  }
+  EXPECT_EQ(StandIn::memory_imports, 3);
+  EXPECT_EQ(StandIn::memory_closes, 1);
+  EXPECT_EQ(ipc::open_device_imports(), 2u);
+  EXPECT_EQ(inspect_channel(channel).slot_states[0].epoch, 2u);
+}
+
+TEST_F(DeviceChannel, SubscribersOfOneProducerInOneProcessShareTheImports) {
+  auto publisher = Publisher::create(channel, on_device());
+  auto first = Subscriber::attach(channel, 1s);
+  auto second = Subscriber::attach(channel, 1s);
+  auto bucket = cli::make_bucket({.tensors = 2}, 0);
+  ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
+  auto a = next_bucket(first);
+  auto b = next_bucket(second);
+  EXPECT_EQ(StandIn::memory_imports, 1);
+  EXPECT_EQ(a.view()[0].bytes.data(), b.view()[0].bytes.data());
+}
+
+TEST_F(DeviceChannel, ANewProducerIsImportedAfresh) {
+  auto bucket = cli::make_bucket({.tensors = 2}, 0);
+  for (int round = 0; round < 2; ++round) {
+    auto publisher = Publisher::create(channel, on_device());
+    auto subscriber = Subscriber::attach(channel, 1s);
+    ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
+    auto received = next_bucket(subscriber);
+    EXPECT_TRUE(cli::check_bucket(received.view(), 1, 0).empty());
+  }
+  EXPECT_EQ(StandIn::memory_imports, 2);
+  EXPECT_EQ(StandIn::memory_closes, 2);
+}
+
+TEST_F(DeviceChannel, ConsumerStreamWaitsOnTheReadyEventTheProducerRecorded) {
+  auto publisher = Publisher::create(channel, on_device());
+  auto subscriber = Subscriber::attach(channel, 1s);
+  auto bucket = cli::make_bucket({.tensors = 2}, 0);
+  ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
+  test::Tampering control(test::control_name(channel));
+  auto ready = StandIn::event_id(control.control().device_slots[0].ready_event);
+  ASSERT_NE(ready, 0u);
+  EXPECT_TRUE(contains(StandIn::recorded(), ready));
+  EXPECT_FALSE(contains(StandIn::waited(), ready));
+  auto received = next_bucket(subscriber);
+  EXPECT_TRUE(contains(StandIn::waited(), ready));
+}
+
+TEST_F(DeviceChannel, ProducerWaitsOnTheConsumersReleaseEventBeforeRewritingTheSlot) {
+  auto publisher = Publisher::create(channel, on_device());
+  publisher.publish(cli::make_bucket({.tensors = 2}, 0).builder, 1s);
+  auto subscriber = Subscriber::attach(channel, 1s);
+  test::Tampering control(test::control_name(channel));
+  auto release = StandIn::event_id(control.control().release_events[0].slots[0]);
+  ASSERT_NE(release, 0u);
+  next_bucket(subscriber).release();
+  EXPECT_TRUE(contains(StandIn::recorded(), release));
+  EXPECT_FALSE(contains(StandIn::waited(), release));
+  ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 2}, 1).builder, 1s));  // slot 1
+  ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 2}, 2).builder, 1s));  // slot 0 again
+  EXPECT_TRUE(contains(StandIn::waited(), release));
+}
+
+TEST_F(DeviceChannel, ConsumerMapsTheDeviceByUuidToItsOwnOrdinal) {
+  // The producer uses its device 1; the consumer sees only that device, as its device 0.
+  auto publisher = Publisher::create(channel, on_device(1));
+  auto bucket = cli::make_bucket({.tensors = 3}, 0);
+  ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
+  Child consumer([&] {
+    StandIn::devices = {StandIn::devices[1]};
+    auto subscriber = Subscriber::attach(channel, 10s);
+    if (subscriber.location() != PayloadLocation::cuda(0)) return 3;
+    auto received = subscriber.next(10s);
+    if (!received || received->view().location() != PayloadLocation::cuda(0)) return 4;
+    return cli::check_bucket(received->view(), 1, 0).empty() ? 0 : 5;
+  });
+  EXPECT_EQ(consumer.wait(), 0);
+  EXPECT_EQ(inspect_channel(channel).location, "cuda GPU-22222222-0202-0202-0202-020202020202");
+}
+
+TEST_F(DeviceChannel, ConsumerWithoutTheDeviceIsToldItIsNotVisible) {
+  auto publisher = Publisher::create(channel, on_device(1));
+  Child consumer([&] {
+    StandIn::devices = {StandIn::devices[0]};
+    try {
+      Subscriber::attach(channel, 10s);
+    } catch (const Error& e) {
+      return e.code() == ErrorCode::DeviceNotVisible &&
+                     std::string(e.what()).find("GPU-22222222") != std::string::npos
+                 ? 0
+                 : 3;
+    }
+    return 4;
+  });
+  EXPECT_EQ(consumer.wait(), 0);
+}
+
+TEST_F(DeviceChannel, ConsumersAskingForAnotherLocationAreRefused) {
+  auto device = Publisher::create(channel, on_device());
+  auto message = expect_error(ErrorCode::LocationMismatch,
+                              [&] { Subscriber::attach(channel, 1s, PayloadLocation::Kind::Host); });
+  EXPECT_NE(message.find("on a CUDA device, not in host memory"), std::string::npos) << message;
+  device.close();
+  auto host = Publisher::create(channel);
+  expect_error(ErrorCode::LocationMismatch, [&] { Subscriber::attach(channel, 1s, PayloadLocation::Kind::Cuda); });
+  // Refused before claiming: every record is still free.
+  EXPECT_TRUE(inspect_channel(channel).consumers.empty());
+}
+
+TEST_F(DeviceChannel, ProducerOnADeviceItCannotSeeCreatesNothing) {
+  auto message = expect_error(ErrorCode::DeviceNotVisible, [&] { Publisher::create(channel, on_device(7)); });
+  EXPECT_NE(message.find("CUDA device 7"), std::string::npos) << message;
+  EXPECT_EQ(segments_of(channel), std::vector<std::string>{});
+}
+
+TEST_F(DeviceChannel, FailedDriverCallsNameTheCallAndPublishNothing) {
+  auto publisher = Publisher::create(channel, on_device());
+  auto subscriber = Subscriber::attach(channel, 1s);
+  StandIn::fail_next = "copy";
+  auto bucket = cli::make_bucket({.tensors = 2}, 0);
+  auto message = expect_error(ErrorCode::CudaFailed, [&] { publisher.publish(bucket.builder, 1s); });
+  EXPECT_NE(message.find("cuMemcpyBatchAsync failed in the host stand-in: STANDIN_INJECTED_ERROR"),
+            std::string::npos)
+      << message;
+  EXPECT_EQ(publisher.published(), 0u);
+  EXPECT_FALSE(subscriber.try_next().has_value());
+  // The next publish goes through, and the consumer's import failing is an error for that
+  // bucket alone.
+  ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
+  StandIn::fail_next = "import_memory";
+  expect_error(ErrorCode::CudaFailed, [&] { subscriber.next(1s); });
+  ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
+  EXPECT_EQ(next_bucket(subscriber).sequence(), 1u);
+}
+
+TEST_F(DeviceChannel, PayloadChecksumIsCheckedBeforeTheBucketIsHandedOut) {
+  auto options = on_device();
+  options.payload_checksum = true;
+  auto publisher = Publisher::create(channel, options);
+  auto careless = Subscriber::attach(channel, 1s);
+  auto careful = Subscriber::attach(channel, 1s);
+  auto bucket = cli::make_bucket({.tensors = 2}, 0);
+  ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
+  {
+    // A consumer that writes into the bucket it received (the stand-in's device memory is
+    // host memory).
+    auto received = careless.next(1s, {.check_payload_checksum = false});
+    ASSERT_TRUE(received);
+    const_cast<std::byte&>(received->view()[0].bytes[5]) ^= std::byte{1};
+  }
+  expect_error(ErrorCode::ChecksumMismatch, [&] { careful.next(1s); });
+}
+
+TEST_F(DeviceChannel, DeviceHandlesOfAnotherEpochAreRefused) {
+  auto publisher = Publisher::create(channel, on_device());
+  auto subscriber = Subscriber::attach(channel, 1s);
+  ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 2}, 0).builder, 1s));
+  test::Tampering control(test::control_name(channel));
+  control.control().device_slots[0].epoch = 9;
+  auto message = expect_error(ErrorCode::HeaderCorrupt, [&] { subscriber.next(1s); });
+  EXPECT_NE(message.find("device handles of epoch 9 for storage epoch 1"), std::string::npos) << message;
+}
+
+TEST_F(DeviceChannel, ScribbledReleaseEventsLeaveTheProducerPublishing) {
+  auto publisher = Publisher::create(channel, on_device());
+  auto subscriber = Subscriber::attach(channel, 1s);
+  test::Tampering control(test::control_name(channel));
+  // The producer imports none of them, and goes on publishing (that consumer's device work
+  // is then unordered with the producer's: docs/channel.md, "Hostile peers").
+  std::memset(&control.control().release_events[0], 0xA5, sizeof(ipc::ReleaseEvents));
+  for (std::uint64_t i = 0; i < 4; ++i) {
+    ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 2}, i).builder, 1s));
+    EXPECT_TRUE(cli::check_bucket(next_bucket(subscriber).view(), 1, i).empty());
+  }
+  EXPECT_EQ(StandIn::event_imports, 2);  // the consumer's, of the two slots' ready events: none of the producer's
+}
+
+TEST_F(DeviceChannel, AScribbledMemoryHandleCostsThatBucketOnly) {
+  auto publisher = Publisher::create(channel, on_device());
+  auto subscriber = Subscriber::attach(channel, 1s);
+  ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 2}, 0).builder, 1s));
+  test::Tampering control(test::control_name(channel));
+  std::memset(&control.control().device_slots[0].memory, 0x5A, sizeof(ipc::DeviceHandle));
+  auto message = expect_error(ErrorCode::CudaFailed, [&] { subscriber.next(1s); });
+  EXPECT_NE(message.find("cuIpcOpenMemHandle"), std::string::npos) << message;
+  // The producer rewrites every field from its own copy with every bucket.
+  for (std::uint64_t i = 1; i < 4; ++i) {
+    ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 2}, i).builder, 1s));
+    EXPECT_TRUE(cli::check_bucket(next_bucket(subscriber).view(), 1, i).empty());
+  }
+}
+
+TEST_F(DeviceChannel, InPlaceReservationWritesTheDeviceSlot) {
+  auto publisher = Publisher::create(channel, on_device());
+  auto subscriber = Subscriber::attach(channel, 1s);
+  Workload workload{.tensors = 5, .tensor_bytes = 2048};
+  auto layout = cli::make_layout(workload, 0);
+  auto reservation = publisher.reserve(layout, 1s);
+  ASSERT_TRUE(reservation);
+  EXPECT_EQ(reservation->location(), PayloadLocation::cuda(0));
+  auto source = cli::make_bucket(workload, 0);
+  for (std::size_t t = 0; t < workload.tensors; ++t) reservation->write(t, source.tensors[t].data());
+  reservation->commit();
+  auto received = next_bucket(subscriber);
+  EXPECT_TRUE(cli::check_bucket(received.view(), workload.seed, 0).empty());
+}
+
+TEST_F(DeviceChannel, WithoutTheStandInOrADriverCreateIsCudaUnavailable) {
+  test::StandIn::uninstall();
+  try {
+    ipc::device_api();
+  } catch (const Error& e) {
+    ASSERT_EQ(e.code(), ErrorCode::CudaUnavailable) << e.what();
+    auto message = expect_error(ErrorCode::CudaUnavailable, [&] { Publisher::create(channel, on_device()); });
+    EXPECT_EQ(segments_of(channel), std::vector<std::string>{});
+    return;
+  }
+  GTEST_SKIP() << "this machine has a CUDA driver: test_cuda covers it";
+}
+
+}  // namespace
+}  // namespace tensorbucket
