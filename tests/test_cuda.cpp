@@ -7,10 +7,29 @@
 #include <cstdlib>
 #include <string>
 
+#include <cuda.h>
+
 #include "device_query.hpp"
+#include "ipc/cuda_driver.hpp"
 
 namespace tensorbucket {
 namespace {
+
+// The driver ABI the library declares itself (ipc/cuda_driver.hpp), against cuda.h.
+namespace abi = ipc::cuda;
+static_assert(sizeof(abi::CUdeviceptr) == sizeof(CUdeviceptr));
+static_assert(sizeof(abi::CUuuid) == sizeof(CUuuid));
+static_assert(sizeof(abi::CUipcMemHandle) == sizeof(CUipcMemHandle));
+static_assert(sizeof(abi::CUipcEventHandle) == sizeof(CUipcEventHandle));
+static_assert(sizeof(abi::CUmemcpyAttributes) == sizeof(CUmemcpyAttributes));
+static_assert(offsetof(abi::CUmemcpyAttributes, flags) == offsetof(CUmemcpyAttributes, flags));
+static_assert(ipc::kDeviceHandleBytes == CU_IPC_HANDLE_SIZE);
+static_assert(abi::kErrorInvalidDevice == CUDA_ERROR_INVALID_DEVICE);
+static_assert(abi::kEventDisableTiming == CU_EVENT_DISABLE_TIMING);
+static_assert(abi::kEventInterprocess == CU_EVENT_INTERPROCESS);
+static_assert(abi::kIpcMemLazyEnablePeerAccess == CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+static_assert(abi::kMemcpySourceAccessOrderStream == CU_MEMCPY_SRC_ACCESS_ORDER_STREAM);
+static_assert(abi::kGetProcAddressLegacyStream == CU_GET_PROC_ADDRESS_LEGACY_STREAM);
 
 TEST(Cuda, RuntimeAnswersWithoutADevice) {
   auto report = cuda::query_devices();

@@ -1,0 +1,208 @@
+// Device channels on a real GPU, through the CUDA driver: producers and consumers are forked
+// processes, so that this process never initialises CUDA (a process must not fork after it
+// did). Bytes are written by a pattern kernel and checked, every one, by a kernel on the
+// consumer's stream. Without a driver or a device every test here is skipped, saying why;
+// test_device_channel runs the same protocol against the host stand-in everywhere.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "channel_support.hpp"
+#include "ipc/slot_storage.hpp"
+#include "pattern.hpp"
+
+namespace tensorbucket {
+namespace {
+
+using namespace std::chrono_literals;
+using test::Child;
+using test::Signal;
+
+// Asked in a child, so that this process stays free of CUDA.
+const std::string& why_no_device() {
+  static const std::string why = [] {
+    Signal answer;
+    Child probe([&] {
+      try {
+        int count = 0;
+        ipc::check_device(ipc::device_api().device_count(&count), "cuDeviceGetCount");
+        answer.send(count > 0 ? 'y' : 'n');
+      } catch (const Error& e) {
+        std::fprintf(stderr, "%s\n", e.what());
+        answer.send('n');
+      }
+      return 0;
+    });
+    auto reply = answer.receive();
+    probe.wait();
+    return reply == 'y' ? std::string() : std::string("no CUDA driver or device here (see the message above)");
+  }();
+  return why;
+}
+
+#define SKIP_WITHOUT_GPU() \
+  if (!why_no_device().empty()) GTEST_SKIP() << why_no_device()
+
+constexpr std::uint32_t kTensors = 8;
+
+std::uint64_t seed_of(std::uint64_t bucket, std::uint32_t tensor) { return bucket * 131 + tensor; }
+
+// Publishes `buckets` buckets of kTensors pattern-filled tensors of `tensor_bytes` each from
+// `device`, starting at bucket `first`; the exit status says how it went.
+int produce(const std::string& channel, int device, std::uint64_t buckets, std::uint64_t tensor_bytes,
+            std::uint64_t first = 0) {
+  std::string error;
+  if (!cuda::select_device(device, error)) return 10;
+  auto* stream = cuda::make_stream(error);
+  std::vector<void*> tensors;
+  for (std::uint32_t t = 0; t < kTensors; ++t) tensors.push_back(cuda::allocate(tensor_bytes, error));
+  if (!stream || !error.empty()) return 11;
+  auto publisher = Publisher::create(channel, {.location = PayloadLocation::cuda(device)});
+  for (std::uint64_t b = first; b < first + buckets; ++b) {
+    BucketBuilder builder;
+    builder.version(b);
+    for (std::uint32_t t = 0; t < kTensors; ++t) {
+      // Queued on the stream the copy runs on, so it waits for the copy of the bucket before.
+      if (!cuda::fill_pattern(tensors[t], tensor_bytes, seed_of(b, t), stream, error)) return 12;
+      builder.add("t" + std::to_string(t), DType::U8, Shape{static_cast<std::int64_t>(tensor_bytes)}, tensors[t]);
+    }
+    if (!publisher.publish(builder, 60s, stream)) return 13;
+  }
+  return publisher.drain(60s) ? 0 : 14;
+}
+
+// Receives `buckets` buckets and checks every byte on the device; then that every slot was
+// imported once. The exit status says how it went.
+int consume(const std::string& channel, std::uint64_t buckets, std::uint64_t slots) {
+  std::string error;
+  auto subscriber = Subscriber::attach(channel, 60s, PayloadLocation::Kind::Cuda);
+  if (!cuda::select_device(subscriber.location().device, error)) return 20;
+  auto* stream = cuda::make_stream(error);
+  if (!stream) return 21;
+  for (std::uint64_t i = 0; i < buckets; ++i) {
+    auto bucket = subscriber.next(60s, {}, stream);
+    if (!bucket) return 22;
+    const auto& view = bucket->view();
+    if (view.location().on_host() || view.size() != kTensors) return 23;
+    for (std::uint32_t t = 0; t < kTensors; ++t) {
+      auto bytes = view[t].bytes;
+      auto wrong = cuda::count_mismatches(bytes.data(), bytes.size(), seed_of(view.version(), t), stream, error);
+      if (wrong != 0) {
+        std::fprintf(stderr, "bucket %llu tensor %u: %lld bytes wrong %s\n",
+                     static_cast<unsigned long long>(view.version()), t, static_cast<long long>(wrong), error.c_str());
+        return 24;
+      }
+    }
+    bucket->release(stream);
+  }
+  return ipc::open_device_imports() <= slots ? 0 : 25;
+}
+
+class CudaChannel : public test::ChannelTest {};
+
+TEST_F(CudaChannel, TwoProcessesExchange200DeviceBucketsWithCachedHandles) {
+  SKIP_WITHOUT_GPU();
+  Child consumer([&] { return consume(channel, 200, 2); });
+  Child producer([&] { return produce(channel, 0, 200, 64 * 1024 + 100); });
+  EXPECT_EQ(consumer.wait(120s), 0);
+  EXPECT_EQ(producer.wait(120s), 0);
+}
+
+TEST_F(CudaChannel, AGrowingBucketTakesItsSlotToANewEpoch) {
+  SKIP_WITHOUT_GPU();
+  Child reader([&] { return consume(channel, 2, 1); });
+  Child grower([&] {
+    std::string error;
+    if (!cuda::select_device(0, error)) return 10;
+    auto* stream = cuda::make_stream(error);
+    if (!stream) return 11;
+    auto publisher = Publisher::create(channel, {.slots = 1, .location = PayloadLocation::cuda(0)});
+    for (std::uint64_t b = 0; b < 2; ++b) {
+      std::uint64_t bytes = b == 0 ? 4096 : 8 << 20;  // the second does not fit the first's slot
+      BucketBuilder builder;
+      builder.version(b);
+      std::vector<void*> tensors;
+      for (std::uint32_t t = 0; t < kTensors; ++t) {
+        tensors.push_back(cuda::allocate(bytes, error));
+        if (!tensors.back() || !cuda::fill_pattern(tensors.back(), bytes, seed_of(b, t), stream, error)) return 12;
+        builder.add("t" + std::to_string(t), DType::U8, Shape{static_cast<std::int64_t>(bytes)}, tensors.back());
+      }
+      if (!publisher.publish(builder, 60s, stream) || !publisher.drain(60s)) return 13;
+      for (auto* tensor : tensors) cuda::release(tensor);
+    }
+    return inspect_channel(channel).slot_states[0].epoch == 2 ? 0 : 14;
+  });
+  EXPECT_EQ(grower.wait(120s), 0);
+  EXPECT_EQ(reader.wait(60s), 0);
+}
+
+TEST_F(CudaChannel, AKilledProducerLeavesNoHangAndARestartedOneIsReceived) {
+  SKIP_WITHOUT_GPU();
+  {
+    Child producer([&] { return produce(channel, 0, 1'000'000, 256 * 1024); });
+    Child consumer([&] {
+      try {
+        consume(channel, 1'000'000, 2);
+      } catch (const Error& e) {
+        return e.code() == ErrorCode::ProducerGone ? 0 : 30;
+      }
+      return 31;
+    });
+    std::this_thread::sleep_for(1500ms);
+    producer.kill_now();
+    EXPECT_EQ(consumer.wait(60s), 0);  // every bucket it got was whole, then ProducerGone
+  }
+  Child consumer([&] { return consume(channel, 20, 2); });
+  Child producer([&] { return produce(channel, 0, 20, 4096); });
+  EXPECT_EQ(consumer.wait(120s), 0);
+  EXPECT_EQ(producer.wait(120s), 0);
+}
+
+TEST_F(CudaChannel, AKilledConsumerDoesNotStallTheProducer) {
+  SKIP_WITHOUT_GPU();
+  Child producer([&] { return produce(channel, 0, 60, 4096); });
+  {
+    Child doomed([&] { return consume(channel, 1'000'000, 2); });
+    std::this_thread::sleep_for(1000ms);
+    doomed.kill_now();
+  }
+  Child survivor([&] {
+    try {
+      consume(channel, 1'000'000, 2);
+    } catch (const Error& e) {
+      return e.code() == ErrorCode::ProducerGone ? 0 : 40;
+    }
+    return 41;
+  });
+  EXPECT_EQ(producer.wait(120s), 0);
+  EXPECT_EQ(survivor.wait(60s), 0);
+}
+
+TEST_F(CudaChannel, AConsumerSeeingOtherVisibleDevicesFindsTheDeviceByUuid) {
+  SKIP_WITHOUT_GPU();
+  Signal count;
+  Child probe([&] {
+    int devices = 0;
+    ipc::device_api().device_count(&devices);
+    count.send_int(devices);
+    return 0;
+  });
+  auto devices = count.receive_int();
+  probe.wait();
+  ASSERT_TRUE(devices && *devices > 0);
+  auto last = static_cast<int>(*devices - 1);
+  Child consumer([&] {
+    // The producer's last device is the only one this consumer sees: its device 0.
+    ::setenv("CUDA_VISIBLE_DEVICES", std::to_string(last).c_str(), 1);
+    auto subscriber = Subscriber::attach(channel, 60s);
+    return subscriber.location() == PayloadLocation::cuda(0) ? consume(channel, 10, 2) : 50;
+  });
+  Child producer([&] { return produce(channel, last, 10, 4096); });
+  EXPECT_EQ(consumer.wait(120s), 0);
+  EXPECT_EQ(producer.wait(120s), 0);
+}
+
+}  // namespace
+}  // namespace tensorbucket
