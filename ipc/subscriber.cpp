@@ -2,6 +2,8 @@
 // for the crash cases and what a hostile peer can do.
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstring>
 #include <optional>
 #include <thread>
 
@@ -495,5 +497,24 @@ void ReceivedBucket::release(CudaStream stream) noexcept {
 }
 
 PayloadLocation Subscriber::location() const noexcept { return state_->location; }
+
+std::vector<std::byte> ReceivedBucket::copy_to_host() const {
+  if (!lease_) fail(ErrorCode::InvalidArgument, "bucket ", sequence_, " was released");
+  std::uint64_t end = 0;
+  for (const auto& entry : view_.manifest().entries) end = std::max(end, entry.byte_offset + entry.byte_length);
+  const auto& mapping = lease_->mapping;
+  std::vector<std::byte> copy(end);
+  if (!mapping.imported) {
+    std::memcpy(copy.data(), mapping.payload.data(), end);
+    return copy;
+  }
+  ipc::DeviceScope scope(mapping.device);
+  const auto& api = ipc::device_api();
+  ipc::DeviceCopy back{reinterpret_cast<ipc::DeviceAddress>(copy.data()),
+                       reinterpret_cast<ipc::DeviceAddress>(mapping.payload.data()), end};
+  ipc::check_device(api.copy(&back, 1, lease_->stream), "cuMemcpyAsync");
+  ipc::check_device(api.synchronize(lease_->stream), "cuStreamSynchronize");
+  return copy;
+}
 
 }  // namespace tensorbucket

@@ -155,6 +155,30 @@ TEST_F(Cli, ProducerAndVerifyingConsumersExitZero) {
   EXPECT_EQ(lines.find("\"ok\":false"), std::string::npos) << lines;
 }
 
+TEST_F(Cli, DeviceOptionsAreCheckedAndAHostConsumerOfADeviceChannelIsRefused) {
+  expect_usage_error({"produce", "--channel", channel, "--device", "gpu0"}, "'gpu0' is not 'host', 'cuda' or 'cuda:N'");
+  expect_usage_error({"consume", "--channel", channel, "--device", "cuda:x"}, "'cuda:x'");
+  auto publisher = Publisher::create(channel);
+  Tbucket consumer({"consume", "--channel", channel, "--device", "cuda", "--timeout-ms", "50"});
+  EXPECT_EQ(consumer.finish(), 6);
+  EXPECT_NE(consumer.err().find("LocationMismatch: channel '" + channel + "' carries its payloads in host memory"),
+            std::string::npos)
+      << consumer.err();
+}
+
+// Where the CUDA driver is missing (CI), a device channel is exit 7 and one line saying so.
+TEST_F(Cli, DeviceChannelWithoutCudaExitsSeven) {
+  Tbucket producer({"produce", "--channel", channel, "--device", "cuda:0", "--buckets", "1", "--timeout-ms", "50"});
+  auto status = producer.finish();
+  if (status != 7 && producer.err().find("CudaUnavailable") == std::string::npos) {
+    GTEST_SKIP() << "this machine has CUDA: tbucket produce --device exited " << status;
+  }
+  EXPECT_EQ(status, 7);
+  auto err = producer.err();
+  EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
+  EXPECT_NE(err.find("tbucket: CudaUnavailable: no CUDA driver in this process"), std::string::npos) << err;
+}
+
 TEST_F(Cli, MissingChannelExitsSix) {
   EXPECT_EQ(run({"consume", "--channel", channel, "--timeout-ms", "50"}), 6);
 }

@@ -285,6 +285,19 @@ TEST_F(DeviceChannel, InPlaceReservationWritesTheDeviceSlot) {
   EXPECT_TRUE(cli::check_bucket(received.view(), workload.seed, 0).empty());
 }
 
+TEST_F(DeviceChannel, ABucketCopiedToTheHostHoldsItsPayload) {
+  auto publisher = Publisher::create(channel, on_device());
+  auto subscriber = Subscriber::attach(channel, 1s);
+  Workload workload{.tensors = 3, .tensor_bytes = 1000};
+  ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 1s));
+  auto received = next_bucket(subscriber);
+  auto copy = received.copy_to_host();
+  EXPECT_EQ(copy.size(), 2 * 1024 + 1000u);  // entries at 256-byte aligned offsets
+  EXPECT_TRUE(cli::check_bucket(received.view(), workload.seed, 0, copy).empty());
+  copy[2 * 1024] ^= std::byte{1};
+  EXPECT_FALSE(cli::check_bucket(received.view(), workload.seed, 0, copy).empty());
+}
+
 TEST_F(DeviceChannel, WithoutTheStandInOrADriverCreateIsCudaUnavailable) {
   test::StandIn::uninstall();
   try {

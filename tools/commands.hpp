@@ -18,6 +18,7 @@ struct ProduceOptions {
   std::uint32_t consumers = 1;  // min_consumers
   bool checksum = false;
   bool in_place = false;
+  std::string device = "host";  // where the payloads live: host, cuda, cuda:N
   std::uint64_t interval_ms = 0;
   std::uint64_t timeout_ms = 10000;
 };
@@ -27,6 +28,7 @@ struct ConsumeOptions {
   std::uint64_t buckets = 0;  // 0: until the producer is gone
   std::uint64_t seed = 1;
   bool verify = false;
+  std::string device;  // empty: wherever the channel has them; else host, cuda, cuda:N
   std::uint64_t timeout_ms = 10000;
   bool json = false;
 };

@@ -25,7 +25,9 @@ int run_consume(const ConsumeOptions& options) {
   std::optional<Subscriber> subscriber;
   with_deadline(options.timeout_ms, [&](auto slice) {
     try {
-      subscriber.emplace(Subscriber::attach(options.channel, slice));
+      std::optional<PayloadLocation::Kind> expected;
+      if (!options.device.empty()) expected = PayloadLocation::parse(options.device).kind;
+      subscriber.emplace(Subscriber::attach(options.channel, slice, expected));
     } catch (const Error& e) {
       if (e.code() != ErrorCode::ChannelMissing) throw;  // not there yet
     }
@@ -56,7 +58,10 @@ int run_consume(const ConsumeOptions& options) {
     auto latency_us = static_cast<double>(monotonic_ns() - bucket->publish_start_ns()) / 1000;
     const auto& view = bucket->view();
     std::string problem;
-    if (options.verify) problem = check_bucket(view, options.seed, bucket->sequence());
+    if (options.verify && view.location().on_host()) problem = check_bucket(view, options.seed, bucket->sequence());
+    if (options.verify && !view.location().on_host()) {
+      problem = check_bucket(view, options.seed, bucket->sequence(), bucket->copy_to_host());
+    }
     std::uint64_t bytes = 0;
     for (std::size_t i = 0; i < view.size(); ++i) bytes += view[i].bytes.size();
     if (options.json) {

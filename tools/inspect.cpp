@@ -28,6 +28,7 @@ void print_json(const ChannelInfo& info) {
       << "\",\"slots\":" << info.slots << ",\"max_consumers\":" << info.max_consumers
       << ",\"min_consumers\":" << info.min_consumers
       << ",\"payload_checksum\":" << (info.payload_checksum ? "true" : "false")
+      << ",\"location\":\"" << info.location << "\""
       << ",\"producer\":{\"pid\":" << info.producer_pid
       << ",\"pid_elsewhere\":" << (info.producer_pid_elsewhere ? "true" : "false")
       << ",\"alive\":" << (info.producer_alive ? "true" : "false") << "},\"closed\":"
@@ -38,7 +39,8 @@ void print_json(const ChannelInfo& info) {
     out << (s ? "," : "") << "{\"slot\":" << s << ",\"generation\":" << slot.generation
         << ",\"bucket\":" << (slot.bucket ? std::to_string(*slot.bucket) : "null")
         << ",\"release_count\":" << slot.release_count << ",\"segment\":\"" << slot.segment
-        << "\",\"segment_bytes\":" << slot.segment_bytes << "}";
+        << "\",\"segment_bytes\":" << slot.segment_bytes << ",\"epoch\":" << slot.epoch
+        << ",\"payload_capacity\":" << slot.payload_capacity << "}";
   }
   out << "],\"consumers\":[";
   for (std::size_t c = 0; c < info.consumers.size(); ++c) {
@@ -78,17 +80,19 @@ void print_text(const ChannelInfo& info) {
   std::printf("channel %s (control segment %s)\n", info.channel.c_str(), info.control_segment.c_str());
   std::printf("  config     %u slots, up to %u consumers, min_consumers %u, payload checksums %s\n",
               info.slots, info.max_consumers, info.min_consumers, info.payload_checksum ? "on" : "off");
+  std::printf("  payloads   %s\n", info.location == "host" ? "in host shared memory" : ("on " + info.location).c_str());
   std::printf("  producer   pid %d%s, %s%s, %llu buckets published\n", info.producer_pid,
               info.producer_pid_elsewhere ? kElsewhere : "", info.producer_alive ? "alive" : "gone",
               info.closed ? ", closed" : "",
               static_cast<unsigned long long>(info.published));
   for (std::size_t s = 0; s < info.slot_states.size(); ++s) {
     const auto& slot = info.slot_states[s];
-    std::string state = slot.generation == 0       ? "empty"
-                        : slot.generation % 2 != 0 ? "being written"
-                                                   : "bucket " + std::to_string(*slot.bucket);
-    std::printf("  slot %zu     %s (generation %llu), %u releases, %s (%llu bytes)\n", s, state.c_str(),
-                static_cast<unsigned long long>(slot.generation), slot.release_count,
+    std::string state = slot.generation == 0 ? "empty"
+                        : slot.bucket        ? "bucket " + std::to_string(*slot.bucket)
+                                             : "being written";
+    std::printf("  slot %zu     %s (generation %llu), %u releases, epoch %llu, %llu payload bytes, %s (%llu bytes)\n",
+                s, state.c_str(), static_cast<unsigned long long>(slot.generation), slot.release_count,
+                static_cast<unsigned long long>(slot.epoch), static_cast<unsigned long long>(slot.payload_capacity),
                 slot.segment.empty() ? "no segment" : slot.segment.c_str(),
                 static_cast<unsigned long long>(slot.segment_bytes));
   }

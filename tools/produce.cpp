@@ -37,7 +37,10 @@ int run_produce(const ProduceOptions& options) {
   check_payload_limit(workload);
   auto publisher = Publisher::create(options.channel, {.slots = options.slots,
                                                        .min_consumers = options.consumers,
-                                                       .payload_checksum = options.checksum});
+                                                       .payload_checksum = options.checksum,
+                                                       .location = PayloadLocation::parse(options.device)});
+  bool on_device = !publisher.location().on_host();
+  std::vector<std::byte> staging;  // in place on a device: each tensor is made here, then copied
   if (!options.in_place) {
     // The copy path makes a private copy of each bucket first. Reserving the first slot
     // (then dropping it: nothing is published) sizes its segment, so that a bucket shared
@@ -57,7 +60,14 @@ int run_produce(const ProduceOptions& options) {
       });
       if (published) {
         for (std::uint32_t t = 0; t < workload.tensors; ++t) {
-          fill_tensor(reservation->entry_spans()[t], workload, i, t);
+          if (on_device) {
+            staging.resize(reservation->entry_spans()[t].size());
+            fill_tensor(staging, workload, i, t);
+            // From pageable memory, CUDA has taken the bytes when the call returns.
+            reservation->write(t, staging.data());
+          } else {
+            fill_tensor(reservation->entry_spans()[t], workload, i, t);
+          }
         }
         reservation->commit();
         bytes += layout.payload_bytes();

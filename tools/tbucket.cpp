@@ -62,6 +62,9 @@ int main(int argc, char** argv) {
   produce_command->add_option("--seed", produce.workload.seed, "Seed of the tensors' bytes")->check(whole_number(0, kAny));
   produce_command->add_flag("--checksum", produce.checksum, "Hash every payload");
   produce_command->add_flag("--in-place", produce.in_place, "Write tensors straight into shared memory");
+  produce_command->add_option("--device", produce.device,
+                              "Where the payloads live: host, or cuda:N (a CUDA device of this process)")
+      ->capture_default_str();
   produce_command->add_option("--interval-ms", produce.interval_ms, "Pause between buckets")
       ->check(whole_number(0, kAny));
   produce_command->add_option("--timeout-ms", produce.timeout_ms, "Longest wait for a slot, and for the final drain")
@@ -73,7 +76,11 @@ int main(int argc, char** argv) {
   consume_command->add_option("--buckets", consume.buckets, "Buckets to receive (0: until the producer is gone)")
       ->check(whole_number(0, kAny));
   consume_command->add_option("--seed", consume.seed, "Seed the producer used")->check(whole_number(0, kAny));
-  consume_command->add_flag("--verify", consume.verify, "Regenerate and compare every byte");
+  consume_command->add_flag("--verify", consume.verify,
+                            "Regenerate and compare every byte (of a device bucket, copied back)");
+  consume_command->add_option("--device", consume.device,
+                              "Refuse a channel whose payloads live elsewhere: host, or cuda (the "
+                              "channel's device, found by its UUID)");
   consume_command->add_option("--timeout-ms", consume.timeout_ms, "Longest wait for the channel and for each bucket")
       ->check(whole_number(0, kAny));
   consume_command->add_flag("--json", consume.json, "One JSON object per bucket");

@@ -65,7 +65,8 @@ BucketBuilder make_layout(const Workload& workload, std::uint64_t index) {
   return builder;
 }
 
-std::string check_bucket(const BucketView& view, std::uint64_t seed, std::uint64_t index) {
+std::string check_bucket(const BucketView& view, std::uint64_t seed, std::uint64_t index,
+                         std::span<const std::byte> payload) {
   auto where = "bucket " + std::to_string(index);
   if (view.version() != index) {
     return where + " has version " + std::to_string(view.version());
@@ -77,7 +78,9 @@ std::string check_bucket(const BucketView& view, std::uint64_t seed, std::uint64
     if (!tensor || tensor->dtype != tensor_dtype(t)) return where + " lacks " + tensor_name(t);
     expected.resize(tensor->bytes.size());
     fill_tensor(expected, workload, index, t);
-    if (std::memcmp(tensor->bytes.data(), expected.data(), expected.size()) != 0) {
+    const auto* bytes = tensor->bytes.data();
+    if (!payload.empty()) bytes = payload.data() + view.manifest().entries[*view.position(tensor_name(t))].byte_offset;
+    if (std::memcmp(bytes, expected.data(), expected.size()) != 0) {
       return where + " tensor " + tensor_name(t) + " differs";
     }
   }

@@ -38,7 +38,9 @@ SourceBucket make_bucket(const Workload& workload, std::uint64_t index);
 BucketBuilder make_layout(const Workload& workload, std::uint64_t index);
 
 // Empty when `view` is exactly bucket `index` of a workload with `seed` (tensor count and
-// sizes are read from the bucket itself); otherwise what differs.
-std::string check_bucket(const BucketView& view, std::uint64_t seed, std::uint64_t index);
+// sizes are read from the bucket itself); otherwise what differs. With `payload`, the bytes
+// are read from it, a host copy of the view's payload (a device bucket's).
+std::string check_bucket(const BucketView& view, std::uint64_t seed, std::uint64_t index,
+                         std::span<const std::byte> payload = {});
 
 }  // namespace tensorbucket::cli

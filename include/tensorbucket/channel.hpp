@@ -161,6 +161,10 @@ class ReceivedBucket {
   std::uint64_t publish_start_ns() const noexcept { return publish_start_ns_; }
   std::uint64_t published_ns() const noexcept { return published_ns_; }
 
+  // The payload's bytes (to the end of its last entry) copied into host memory, waiting for
+  // the copy: for tools and checks. A device bucket's fast path never leaves the device.
+  std::vector<std::byte> copy_to_host() const;
+
   // Gives the slot back early. The views must not be used afterwards. On a CUDA channel the
   // release is ordered after the work queued on `stream` so far (by default the stream the
   // bucket was received on): the producer's rewrite of the slot waits for it on the device.
