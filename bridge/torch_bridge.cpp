@@ -5,6 +5,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "ipc/device.hpp"
 #include "serialize/text.hpp"
 
 namespace tensorbucket::torch_bridge {
@@ -47,13 +48,18 @@ at::ScalarType torch_type(DType dtype) {
   return index < kScalarTypes.size() ? kScalarTypes[index] : at::ScalarType::Undefined;
 }
 
+at::Device device_of(PayloadLocation where) {
+  return where.on_host() ? at::Device(at::kCPU) : at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(where.device));
+}
+
 Shape shape_of(const at::Tensor& tensor) {
   auto sizes = tensor.sizes();
   return Shape(std::span<const std::int64_t>(sizes.data(), sizes.size()));
 }
 
-// The refusals of the header, in one place for both publishing paths.
-void check_sendable(const std::string& name, const at::Tensor& tensor) {
+// The refusals of the header, in one place for both publishing paths. `where`: the channel's
+// payload location, where every tensor must be.
+void check_sendable(const std::string& name, const at::Tensor& tensor, PayloadLocation where) {
   if (!tensor.defined()) {
     fail(ErrorCode::Unmaterialized, "entry ", Quoted{name}, " is an undefined tensor and has no data");
   }
@@ -68,9 +74,9 @@ void check_sendable(const std::string& name, const at::Tensor& tensor) {
     fail(ErrorCode::InvalidArgument, "entry ", Quoted{name}, " has layout ", tensor.layout(),
          "; only strided (dense) tensors can be sent");
   }
-  if (!tensor.device().is_cpu()) {
-    fail(ErrorCode::InvalidArgument, "entry ", Quoted{name}, " is on ", tensor.device().str(),
-         "; this build sends CPU tensors");
+  if (tensor.device() != device_of(where)) {
+    fail(ErrorCode::InvalidArgument, "entry ", Quoted{name}, " is on ", tensor.device().str(), "; the channel's payloads live ",
+         where.on_host() ? "in host memory: it sends CPU tensors" : "on " + where.to_string() + ", where its tensors must be");
   }
   dtype_of(tensor.scalar_type(), name);
 }
@@ -199,21 +205,22 @@ void prefetch_storage(const at::Tensor& tensor) {
 // What a view's storage holds on to: the bucket (and its lease) until the storage dies.
 void release_keep_alive(void* keep_alive) { delete static_cast<std::shared_ptr<const void>*>(keep_alive); }
 
-// A tensor over `bytes` of `entry`, with `keep_alive` released when its storage dies. Built
-// from its parts rather than through from_blob, which costs ~2x as much per tensor (a
-// std::function deleter, a sizes vector, a device guard): a bucket may hold 1000 entries.
+// A tensor over `bytes` of `entry` on `device`, with `keep_alive` released when its storage
+// dies. Built from its parts rather than through from_blob, which costs ~2x as much per tensor
+// (a std::function deleter, a sizes vector, a device guard): a bucket may hold 1000 entries.
 at::Tensor view_of(const ManifestEntry& entry, std::span<const std::byte> bytes,
-                   std::shared_ptr<const void> keep_alive) {
+                   std::shared_ptr<const void> keep_alive, at::Device device = at::kCPU) {
   auto type = scalar_type_of(entry.dtype, entry.name);
   // The memory is the producer's and read-only (header); DataPtr wants a mutable pointer.
   auto* data = const_cast<std::byte*>(bytes.data());
   auto data_ptr = keep_alive ? c10::DataPtr(data, new std::shared_ptr<const void>(std::move(keep_alive)),
-                                            &release_keep_alive, at::kCPU)
-                             : c10::DataPtr(data, at::kCPU);
+                                            &release_keep_alive, device)
+                             : c10::DataPtr(data, device);
   c10::Storage storage(c10::Storage::use_byte_size_t(), bytes.size(), std::move(data_ptr),
                        /*allocator=*/nullptr, /*resizable=*/false);
-  auto tensor = at::detail::make_tensor<c10::TensorImpl>(
-      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), c10::scalarTypeToTypeMeta(type));
+  auto key = device.is_cuda() ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
+  auto tensor = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(key),
+                                                         c10::scalarTypeToTypeMeta(type));
   tensor.unsafeGetTensorImpl()->set_sizes_contiguous(
       c10::IntArrayRef(entry.shape.data(), entry.shape.size()));
   return tensor;
@@ -231,11 +238,38 @@ void copy_into(const at::Tensor& target, const ManifestEntry& entry, std::span<c
 NamedTensors views_of(const BucketView& view, const std::shared_ptr<const void>& keep_alive) {
   NamedTensors out;
   out.reserve(view.size());
+  auto device = device_of(view.location());
   for (std::size_t i = 0; i < view.size(); ++i) {
     const auto& entry = view.manifest().entries[i];
-    out.emplace_back(entry.name, view_of(entry, view[i].bytes, keep_alive));
+    out.emplace_back(entry.name, view_of(entry, view[i].bytes, keep_alive, device));
   }
   return out;
+}
+
+// Loads a device bucket's entries into `targets` (matched to `entries` by index): the targets
+// that take bytes (dense, on the bucket's device) by one batched copy on `stream`, the others
+// by copy_ from a view.
+void load_on_device(const NamedTensors& targets, const BucketView& bucket, const std::vector<std::size_t>& entries,
+                    CudaStream stream) {
+  auto device = device_of(bucket.location());
+  std::vector<ipc::DeviceCopy> copies;
+  copies.reserve(targets.size());
+  for (std::size_t t = 0; t < targets.size(); ++t) {
+    const auto& target = targets[t].second;
+    auto i = entries[t];
+    auto bytes = bucket[i].bytes;
+    bool takes = target.device() == device && target.layout() == at::kStrided && plain_bytes(target) &&
+                 !target.unsafeGetTensorImpl()->is_python_dispatch() && storage_bytes(target) != nullptr;
+    if (!takes) {
+      target.copy_(view_of(bucket.manifest().entries[i], bytes, nullptr, device));
+    } else if (!bytes.empty()) {
+      copies.push_back({reinterpret_cast<ipc::DeviceAddress>(storage_bytes(target)),
+                        reinterpret_cast<ipc::DeviceAddress>(bytes.data()), bytes.size()});
+      target.unsafeGetTensorImpl()->bump_version();
+    }
+  }
+  ipc::DeviceScope scope(bucket.location().device);
+  ipc::check_device(ipc::device_api().copy(copies.data(), copies.size(), stream), "cuMemcpyBatchAsync");
 }
 
 }  // namespace
@@ -266,10 +300,10 @@ NamedTensors named_tensors(const torch::nn::Module& module) {
 
 TorchBucket make_bucket(const NamedTensors& tensors, std::uint64_t version,
                         std::uint32_t bucket_index, std::uint32_t bucket_count,
-                        const std::vector<ManifestGroup>& groups) {
+                        const std::vector<ManifestGroup>& groups, PayloadLocation where) {
   TorchBucket bucket;
   bucket.builder.version(version).bucket(bucket_index, bucket_count);
-  for (const auto& [name, tensor] : tensors) check_sendable(name, tensor);
+  for (const auto& [name, tensor] : tensors) check_sendable(name, tensor, where);
   bucket.storage.reserve(tensors.size());
   // By value, row-major: only bytes are read, so a contiguous tensor (requires_grad or not) is
   // used as it is; others are copied once, outside autograd.
@@ -286,21 +320,21 @@ TorchBucket make_bucket(const NamedTensors& tensors, std::uint64_t version,
 
 BucketBuilder layout_of(const NamedTensors& tensors, std::uint64_t version,
                         std::uint32_t bucket_index, std::uint32_t bucket_count,
-                        const std::vector<ManifestGroup>& groups) {
+                        const std::vector<ManifestGroup>& groups, PayloadLocation where) {
   BucketBuilder layout;
   layout.version(version).bucket(bucket_index, bucket_count);
   for (const auto& [name, tensor] : tensors) {
-    check_sendable(name, tensor);
+    check_sendable(name, tensor, where);
     layout.declare(name, dtype_of(tensor.scalar_type(), name), shape_of(tensor));
   }
   add_groups(layout, groups);
   return layout;
 }
 
-bool fits(const at::Tensor& tensor, const ManifestEntry& entry) noexcept {
+bool fits(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation where) noexcept {
   // A producer asks this of every tensor on every step: the cheap field reads first, and no
-  // is_meta() (a meta tensor is not on the CPU).
-  if (!tensor.defined() || !tensor.is_cpu() || tensor.is_quantized() ||
+  // is_meta() (a meta tensor is on neither the CPU nor a GPU).
+  if (!tensor.defined() || tensor.device() != device_of(where) || tensor.is_quantized() ||
       tensor.layout() != at::kStrided) {
     return false;
   }
@@ -315,7 +349,8 @@ bool fits(const at::Tensor& tensor, const ManifestEntry& entry) noexcept {
 }
 
 bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
-                      std::span<const at::Tensor> tensors, std::chrono::milliseconds timeout) {
+                      std::span<const at::Tensor> tensors, std::chrono::milliseconds timeout, CudaStream stream) {
+  auto where = publisher.location();
   const auto& entries = layout.manifest().entries;
   if (tensors.size() != entries.size()) {
     fail(ErrorCode::ManifestMismatch, "layout has ", entries.size(), " entries but ",
@@ -328,24 +363,26 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
     if (i + kAhead < tensors.size()) prefetch_impl(tensors[i + kAhead]);
     if (i + kAhead / 2 < tensors.size()) prefetch_storage(tensors[i + kAhead / 2]);
     const auto& tensor = tensors[i];
-    if (!fits(tensor, entries[i])) {
+    if (!fits(tensor, entries[i], where)) {
       fail(ErrorCode::ManifestMismatch, "the tensor for entry ", Quoted{entries[i].name},
            " no longer fits the layout (", entries[i].dtype, ' ', text::Dims{entries[i].shape},
            "): build a new one with layout_of()");
     }
     if (plain_bytes(tensor) && entries[i].byte_length != 0) bytes[i] = storage_bytes(tensor);
   }
-  auto reservation = publisher.reserve(layout, timeout);
+  auto reservation = publisher.reserve(layout, timeout, stream);
   if (!reservation) return false;
   auto spans = reservation->entry_spans();
+  auto device = device_of(where);
+  if (!where.on_host()) reservation->write_all(bytes);  // one batched copy on the device
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     if (bytes[i] != nullptr) {
-      reservation->write(i, bytes[i]);
+      if (where.on_host()) reservation->write(i, bytes[i]);
     } else if (!spans[i].empty()) {
       // copy_ lays out any strides row-major (and resolves lazy negation), straight into
       // shared memory.
       at::NoGradGuard no_grad;
-      view_of(entries[i], spans[i], nullptr).copy_(tensors[i].detach());
+      view_of(entries[i], spans[i], nullptr, device).copy_(tensors[i].detach());
     }
   }
   reservation->commit();
@@ -355,12 +392,12 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
 bool publish_in_place(Publisher& publisher, const NamedTensors& tensors,
                       std::chrono::milliseconds timeout, std::uint64_t version,
                       std::uint32_t bucket_index, std::uint32_t bucket_count,
-                      const std::vector<ManifestGroup>& groups) {
-  auto layout = layout_of(tensors, version, bucket_index, bucket_count, groups);
+                      const std::vector<ManifestGroup>& groups, CudaStream stream) {
+  auto layout = layout_of(tensors, version, bucket_index, bucket_count, groups, publisher.location());
   std::vector<at::Tensor> in_order;
   in_order.reserve(tensors.size());
   for (const auto& named : tensors) in_order.push_back(named.second);
-  return publish_in_place(publisher, layout, in_order, timeout);
+  return publish_in_place(publisher, layout, in_order, timeout, stream);
 }
 
 NamedTensors tensors(std::shared_ptr<const ReceivedBucket> bucket) {
@@ -372,7 +409,8 @@ NamedTensors tensors(const BucketView& view) { return views_of(view, nullptr); }
 
 at::Tensor tensor(std::shared_ptr<const ReceivedBucket> bucket, std::size_t index) {
   const auto& view = bucket->view();
-  return view_of(view.manifest().entries.at(index), view[index].bytes, std::move(bucket));
+  auto device = device_of(view.location());
+  return view_of(view.manifest().entries.at(index), view[index].bytes, std::move(bucket), device);
 }
 
 Manifest manifest_of(const NamedTensors& tensors) {
@@ -399,10 +437,21 @@ void load_into(const NamedTensors& targets, const NamedTensors& tensors) {
   for (const auto& [name, target] : targets) copy_into(target, *by_name.at(name));
 }
 
-void load_into(const NamedTensors& targets, const BucketView& bucket) {
+void load_into(const NamedTensors& targets, const BucketView& bucket, CudaStream stream) {
   check_targets(targets);
   const auto& manifest = bucket.manifest();
   at::NoGradGuard no_grad;
+  if (!bucket.location().on_host()) {
+    std::vector<std::size_t> entries(targets.size());
+    if (lined_up(targets, manifest)) {
+      for (std::size_t t = 0; t < targets.size(); ++t) entries[t] = t;
+    } else {
+      check_expected(manifest, manifest_of(targets));  // throws before anything is copied
+      for (std::size_t t = 0; t < targets.size(); ++t) entries[t] = *bucket.position(targets[t].first);
+    }
+    load_on_device(targets, bucket, entries, stream);
+    return;
+  }
   if (lined_up(targets, manifest)) {
     for (std::size_t i = 0; i < targets.size(); ++i) {
       copy_into(targets[i].second, manifest.entries[i], bucket[i].bytes);
@@ -419,8 +468,8 @@ void load_into(const NamedTensors& targets, const BucketView& bucket) {
 void load_into(torch::nn::Module& module, const NamedTensors& tensors) {
   load_into(named_tensors(module), tensors);
 }
-void load_into(torch::nn::Module& module, const BucketView& bucket) {
-  load_into(named_tensors(module), bucket);
+void load_into(torch::nn::Module& module, const BucketView& bucket, CudaStream stream) {
+  load_into(named_tensors(module), bucket, stream);
 }
 
 }  // namespace tensorbucket::torch_bridge

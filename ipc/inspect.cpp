@@ -65,9 +65,11 @@ ChannelInfo inspect_channel(std::string_view channel) {
   info.max_consumers = std::min<std::uint32_t>(control->max_consumers, ipc::kMaxConsumers);
   info.min_consumers = control->min_consumers;
   info.payload_checksum = control->payload_checksum != 0;
-  auto home = ipc::atomic(control->payload_home).load(std::memory_order_relaxed) == 0 ? ipc::PayloadHome::kHost
-                                                                                       : ipc::PayloadHome::kCuda;
-  info.location = home == ipc::PayloadHome::kHost ? "host" : "cuda " + ipc::describe(control->device);
+  auto home_word = ipc::atomic(control->payload_home).load(std::memory_order_relaxed);
+  auto home = static_cast<ipc::PayloadHome>(home_word);
+  info.location = home == ipc::PayloadHome::kHost   ? "host"
+                  : home == ipc::PayloadHome::kCuda ? "cuda " + ipc::describe(control->device)
+                                                    : "unknown (payload home " + std::to_string(home_word) + ")";
   auto ours = ipc::pid_namespace();
   auto elsewhere = [&](const ipc::ProcessLabel& label) {
     return label.pid_namespace != 0 && ours != 0 && label.pid_namespace != ours;
@@ -104,7 +106,8 @@ ChannelInfo inspect_channel(std::string_view channel) {
                               ipc::atomic(record.next_bucket).load(std::memory_order_relaxed),
                               ipc::claim_leases(claim)});
   }
-  if (newest) info.newest_manifest = read_manifest(channel, *newest, control->slots[*newest], home);
+  bool known_home = home == ipc::PayloadHome::kHost || home == ipc::PayloadHome::kCuda;
+  if (newest && known_home) info.newest_manifest = read_manifest(channel, *newest, control->slots[*newest], home);
   return info;
 }
 

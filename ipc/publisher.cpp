@@ -656,6 +656,29 @@ void Reservation::write(std::size_t index, const void* data) {
                      spans_[index].size(), streaming_);
 }
 
+void Reservation::write_all(std::span<const void* const> sources) {
+  if (state_ == nullptr) fail(ErrorCode::InvalidArgument, "reservation was already committed");
+  state_->refuse_if_forked();
+  if (sources.size() != spans_.size()) {
+    fail(ErrorCode::InvalidArgument, sources.size(), " sources were given for ", spans_.size(), " entries");
+  }
+  if (!state_->device) {
+    for (std::size_t i = 0; i < sources.size(); ++i) {
+      if (sources[i] != nullptr) write(i, sources[i]);
+    }
+    return;
+  }
+  std::vector<ipc::DeviceCopy> copies;
+  copies.reserve(sources.size());
+  for (std::size_t i = 0; i < sources.size(); ++i) {
+    if (sources[i] == nullptr || spans_[i].empty()) continue;
+    copies.push_back({reinterpret_cast<ipc::DeviceAddress>(spans_[i].data()),
+                      reinterpret_cast<ipc::DeviceAddress>(sources[i]), spans_[i].size()});
+  }
+  ipc::DeviceScope scope(*state_->device);
+  ipc::check_device(ipc::device_api().copy(copies.data(), copies.size(), state_->stream), "cuMemcpyBatchAsync");
+}
+
 PayloadLocation Reservation::location() const noexcept {
   return state_ != nullptr ? state_->options.location : PayloadLocation{};
 }

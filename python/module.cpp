@@ -318,15 +318,31 @@ bool names(const py::handle& key, const py::object& kept_key, const std::string&
   return utf8 && *utf8 == name;
 }
 
+// Where a channel's payloads live, from a Python device: None, "cpu", "cuda", "cuda:N" or a
+// torch.device ("cuda" alone is device 0).
+PayloadLocation location_of(const py::handle& device) {
+  if (device.is_none()) return PayloadLocation::host();
+  return PayloadLocation::parse(py::str(device).cast<std::string>());
+}
+
+// torch's current stream on `where`'s device (null on the host): what device work is ordered
+// with, as torch's own operations are. Asked with the GIL.
+CudaStream current_stream(PayloadLocation where) {
+  if (where.on_host()) return nullptr;
+  auto stream = py::module_::import("torch").attr("cuda").attr("current_stream")(where.device);
+  return reinterpret_cast<CudaStream>(stream.attr("cuda_stream").cast<std::uintptr_t>());
+}
+
 class PyPublisher {
  public:
   PyPublisher(const std::string& channel, std::uint32_t slots, std::uint32_t min_consumers,
-              std::uint32_t max_consumers, bool checksum, std::uint32_t mode)
+              std::uint32_t max_consumers, bool checksum, std::uint32_t mode, const py::handle& device)
       : publisher_(Publisher::create(channel, {.slots = slots,
                                                .max_consumers = max_consumers,
                                                .min_consumers = min_consumers,
                                                .mode = mode,
-                                               .payload_checksum = checksum})) {
+                                               .payload_checksum = checksum,
+                                               .location = location_of(device)})) {
     open().insert(this);
   }
   ~PyPublisher() { open().erase(this); }
@@ -361,7 +377,8 @@ class PyPublisher {
     staged_.clear();
     Kept fresh;
     auto named = to_named(tensors, &fresh.keys);
-    fresh.builder = torch_bridge::layout_of(named, version, bucket_index, bucket_count, group_list);
+    fresh.builder =
+        torch_bridge::layout_of(named, version, bucket_index, bucket_count, group_list, publisher_.location());
     fresh.groups = std::move(group_list);
     for (auto& [name, tensor] : named) staged_.push_back(std::move(tensor));
     kept_ = std::move(fresh);
@@ -422,9 +439,10 @@ class PyPublisher {
       ~Unstage() { staged.clear(); }  // with the GIL: a tensor may be the last owner of its object
     } unstage{staged_};
     kept_->builder.version(version).bucket(bucket_index, bucket_count);
+    auto stream = current_stream(publisher_.location());
     bool published = wait_until(deadline, [&](auto slice) {
       stop_if_closing("; nothing was published");
-      return torch_bridge::publish_in_place(publisher_, kept_->builder, staged_, slice);
+      return torch_bridge::publish_in_place(publisher_, kept_->builder, staged_, slice, stream);
     });
     if (!published) throw PublishTimeout{};
     published_ = publisher_.published();
@@ -491,9 +509,16 @@ class PyBucket {
   // The received bucket, for readers of its bytes; InvalidArgument once released.
   std::shared_ptr<const ReceivedBucket> received() const { return live(); }
   // Drops this handle's hold, and its views; tensors already taken keep the lease until they die.
+  // A CUDA bucket this handle alone holds is released after the work queued so far on torch's
+  // current stream; one whose views live on is released, when the last dies, after the work
+  // queued on the stream it was received on.
   void release() {
-    bucket_.reset();
     views_.clear();
+    if (bucket_ && bucket_.use_count() == 1 && !bucket_->view().location().on_host()) {
+      auto stream = current_stream(bucket_->view().location());
+      const_cast<ReceivedBucket&>(*bucket_).release(stream);  // ours alone: nothing else reads it
+    }
+    bucket_.reset();
   }
 
  private:
@@ -518,8 +543,8 @@ class PyBucket {
 
 class PySubscriber {
  public:
-  PySubscriber(const std::string& channel, std::optional<double> timeout)
-      : channel_(channel), subscriber_(attach(channel, timeout)) {}
+  PySubscriber(const std::string& channel, std::optional<double> timeout, const py::handle& device)
+      : channel_(channel), subscriber_(attach(channel, timeout, expected_kind(device))) {}
 
   std::optional<PyBucket> next(std::optional<double> timeout, const py::handle& expected) {
     auto deadline = deadline_in(timeout);
@@ -528,9 +553,11 @@ class PySubscriber {
     VerifyOptions options{.expected = expected_manifest ? &*expected_manifest : nullptr};
     auto turn = take_turn(turn_, deadline);
     if (!turn) return std::nullopt;
+    if (!subscriber_) throw Error(ErrorCode::InvalidArgument, "subscriber of channel '" + channel_ + "' is closed");
+    auto stream = current_stream(subscriber_->location());
     auto bucket = wait_until(deadline, [&](auto slice) {
       if (turn_.closing) throw Error(ErrorCode::InvalidArgument, "subscriber of channel '" + channel_ + "' is closed");
-      return subscriber_->next(slice, options);
+      return subscriber_->next(slice, options, stream);
     });
     if (!bucket) return std::nullopt;
     return PyBucket(std::move(*bucket));
@@ -545,10 +572,16 @@ class PySubscriber {
   }
 
  private:
-  static Subscriber attach(const std::string& channel, std::optional<double> timeout) {
+  static std::optional<PayloadLocation::Kind> expected_kind(const py::handle& device) {
+    if (device.is_none()) return std::nullopt;
+    return location_of(device).kind;
+  }
+
+  static Subscriber attach(const std::string& channel, std::optional<double> timeout,
+                           std::optional<PayloadLocation::Kind> expected) {
     auto attached = wait_until(deadline_in(timeout), [&](auto slice) -> std::optional<Subscriber> {
       try {
-        return Subscriber::attach(channel, slice);
+        return Subscriber::attach(channel, slice, expected);
       } catch (const Error& e) {
         if (e.code() != ErrorCode::ChannelMissing) throw;
         return std::nullopt;  // not there yet
@@ -580,7 +613,8 @@ void load_into(const py::object& module, const py::handle& tensors) {
   auto targets = to_named(is_module ? module.attr("state_dict")(py::arg("keep_vars") = true) : module);
   if (py::isinstance<PyBucket>(tensors)) {  // straight from its bytes: no view of each entry
     auto bucket = tensors.cast<const PyBucket&>().received();
-    OutsideGil::run([&] { torch_bridge::load_into(targets, bucket->view()); });
+    auto stream = current_stream(bucket->view().location());
+    OutsideGil::run([&] { torch_bridge::load_into(targets, bucket->view(), stream); });
     return;
   }
   auto sources = to_named(tensors);
@@ -666,14 +700,19 @@ PYBIND11_MODULE(tensorbucket, m) {
   }));
 
   py::class_<PyPublisher>(m, "Publisher")
-      .def(py::init<const std::string&, std::uint32_t, std::uint32_t, std::uint32_t, bool, std::uint32_t>(),
+      .def(py::init<const std::string&, std::uint32_t, std::uint32_t, std::uint32_t, bool, std::uint32_t,
+                    const py::handle&>(),
            py::arg("channel"), py::arg("slots") = 2, py::arg("min_consumers") = 1,
-           py::arg("max_consumers") = 8, py::arg("checksum") = false, py::arg("mode") = 0600)
+           py::arg("max_consumers") = 8, py::arg("checksum") = false, py::arg("mode") = 0600,
+           py::arg("device") = py::none(),
+           "Create a channel. device: where its payloads live, None or 'cpu' (host shared memory) "
+           "or 'cuda:N' / a torch.device (that GPU; then publish() takes tensors on it).")
       .def("publish", &PyPublisher::publish, py::arg("tensors"), py::arg("version") = 0,
            py::arg("bucket_index") = 0, py::arg("bucket_count") = 1, py::arg("groups") = py::none(),
            py::arg("timeout") = 10.0,
-           "Publish a dict or list of (name, tensor), copied straight into shared memory; raises "
-           "Timeout when no slot comes free.")
+           "Publish a dict or list of (name, tensor), copied straight into shared memory (on a "
+           "CUDA channel: into device memory, after the work queued on torch's current stream); "
+           "raises Timeout when no slot comes free.")
       .def("drain", &PyPublisher::drain, py::arg("timeout") = 10.0,
            "Wait until consumers released everything; False on timeout.")
       .def("close", &PyPublisher::close,
@@ -713,10 +752,13 @@ PYBIND11_MODULE(tensorbucket, m) {
   py::module_::import("collections.abc").attr("Mapping").attr("register")(m.attr("Bucket"));
 
   py::class_<PySubscriber>(m, "Subscriber")
-      .def(py::init<const std::string&, std::optional<double>>(), py::arg("channel"),
-           py::arg("timeout") = 10.0, "Attach, waiting up to timeout for the channel to appear.")
+      .def(py::init<const std::string&, std::optional<double>, const py::handle&>(), py::arg("channel"),
+           py::arg("timeout") = 10.0, py::arg("device") = py::none(),
+           "Attach, waiting up to timeout for the channel to appear. device: 'cpu' or 'cuda' to "
+           "refuse a channel whose payloads live elsewhere (ChannelError); None takes either.")
       .def("next", &PySubscriber::next, py::arg("timeout") = 10.0, py::arg("expected") = py::none(),
-           "The next bucket, verified; None when none arrived within timeout.")
+           "The next bucket, verified; None when none arrived within timeout. A CUDA channel's "
+           "views are CUDA tensors, ready on torch's current stream.")
       .def("close", &PySubscriber::close,
            "Stop receiving; a next() waiting in another thread raises Error. The channel is left "
            "once every bucket and view from this subscriber is gone.")

@@ -281,8 +281,18 @@ TEST_F(DeviceChannel, InPlaceReservationWritesTheDeviceSlot) {
   auto source = cli::make_bucket(workload, 0);
   for (std::size_t t = 0; t < workload.tensors; ++t) reservation->write(t, source.tensors[t].data());
   reservation->commit();
-  auto received = next_bucket(subscriber);
-  EXPECT_TRUE(cli::check_bucket(received.view(), workload.seed, 0).empty());
+  EXPECT_TRUE(cli::check_bucket(next_bucket(subscriber).view(), workload.seed, 0).empty());
+  // Every entry at once: one batched copy.
+  auto calls = StandIn::copy_calls.load();
+  auto second = cli::make_bucket(workload, 1);
+  auto all = publisher.reserve(cli::make_layout(workload, 1), 1s);
+  ASSERT_TRUE(all);
+  std::vector<const void*> sources;
+  for (const auto& tensor : second.tensors) sources.push_back(tensor.data());
+  all->write_all(sources);
+  all->commit();
+  EXPECT_EQ(StandIn::copy_calls, calls + 1);
+  EXPECT_TRUE(cli::check_bucket(next_bucket(subscriber).view(), workload.seed, 1).empty());
 }
 
 TEST_F(DeviceChannel, ABucketCopiedToTheHostHoldsItsPayload) {

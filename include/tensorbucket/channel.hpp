@@ -132,6 +132,10 @@ class Reservation {
   // reservation's stream. InvalidArgument past the last entry or after commit().
   void write(std::size_t index, const void* data);
 
+  // write(i, sources[i]) for every entry whose source is not null, on a device in one batched
+  // copy. InvalidArgument unless there is one source per entry.
+  void write_all(std::span<const void* const> sources);
+
   // Publishes what was written (on a device: what was queued on the reservation's stream
   // so far). InvalidArgument when called twice.
   void commit();

@@ -2,16 +2,18 @@
 // found (meson option `torch`); link `tensorbucket-torch`.
 //
 // Sending: make_bucket() refuses, naming the entry, what cannot travel: undefined and meta
-// tensors (Unmaterialized), non-CPU devices, sparse and other non-strided layouts
-// (InvalidArgument), and dtypes without a manifest dtype, quantized and complex among them
-// (UnsupportedDtype). Nothing is built or published when any entry is refused.
+// tensors (Unmaterialized), tensors not where the channel's payloads live (CPU tensors for a
+// host channel, tensors on its device for a CUDA channel), sparse and other non-strided
+// layouts (InvalidArgument), and dtypes without a manifest dtype, quantized and complex among
+// them (UnsupportedDtype). Nothing is built or published when any entry is refused.
 // Non-contiguous tensors are packed by value in row-major order; requires_grad tensors are
 // packed by value (detached).
 //
 // Receiving: tensors() gives views over the bucket's payload whose storages keep the
 // bucket (and its lease) alive: the slot cannot be reused while any view lives, and nothing is
 // copied. The memory is the producer's: treat the views as read-only (received payloads are
-// mapped read-only; clone() to modify).
+// mapped read-only; clone() to modify). A CUDA channel's views are CUDA tensors on the
+// consumer's ordinal of the channel's device, ready on the stream the bucket was received on.
 //
 // Thread safety: as for the types they wrap; the functions keep no state.
 #pragma once
@@ -44,16 +46,17 @@ struct TorchBucket {
   BucketBuilder builder;
 };
 // `groups`: entries that must arrive together (ManifestGroup::members name entries).
+// `where`: the location of the channel it is for (Publisher::location()).
 TorchBucket make_bucket(const NamedTensors& tensors, std::uint64_t version = 0,
                         std::uint32_t bucket_index = 0, std::uint32_t bucket_count = 1,
-                        const std::vector<ManifestGroup>& groups = {});
+                        const std::vector<ManifestGroup>& groups = {}, PayloadLocation where = {});
 
 // The in-place path: reserves a slot laid out for `tensors`, copies each straight into shared
 // memory, and commits. False when no slot came free within `timeout` (nothing published).
 bool publish_in_place(Publisher& publisher, const NamedTensors& tensors,
                       std::chrono::milliseconds timeout, std::uint64_t version = 0,
                       std::uint32_t bucket_index = 0, std::uint32_t bucket_count = 1,
-                      const std::vector<ManifestGroup>& groups = {});
+                      const std::vector<ManifestGroup>& groups = {}, CudaStream stream = nullptr);
 
 // For a producer that publishes the same tensors every step, the two halves of the call above:
 // layout_of() checks the tensors (refusing as make_bucket does) and declares them once;
@@ -62,12 +65,13 @@ bool publish_in_place(Publisher& publisher, const NamedTensors& tensors,
 // anything is reserved, when their count differs or one no longer fits its entry.
 BucketBuilder layout_of(const NamedTensors& tensors, std::uint64_t version = 0,
                         std::uint32_t bucket_index = 0, std::uint32_t bucket_count = 1,
-                        const std::vector<ManifestGroup>& groups = {});
+                        const std::vector<ManifestGroup>& groups = {}, PayloadLocation where = {});
 bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
-                      std::span<const at::Tensor> tensors, std::chrono::milliseconds timeout);
-// Whether `tensor` can travel as `entry` of a kept layout: same dtype and shape, and nothing
-// layout_of() would refuse. Cheap enough to ask of every tensor on every step.
-bool fits(const at::Tensor& tensor, const ManifestEntry& entry) noexcept;
+                      std::span<const at::Tensor> tensors, std::chrono::milliseconds timeout,
+                      CudaStream stream = nullptr);
+// Whether `tensor` can travel as `entry` of a kept layout: same dtype and shape, on `where`,
+// and nothing layout_of() would refuse. Cheap enough to ask of every tensor on every step.
+bool fits(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation where = {}) noexcept;
 
 // Zero-copy views of every entry, in manifest order, that keep `bucket` leased while they live.
 NamedTensors tensors(std::shared_ptr<const ReceivedBucket> bucket);
@@ -95,8 +99,10 @@ void load_into(torch::nn::Module& module, const NamedTensors& tensors);
 void load_into(const NamedTensors& targets, const NamedTensors& tensors);
 // The same from a bucket's bytes, without a view of each entry (the cost of loading a bucket
 // of many small tensors): `load_into(module, received.view())`. The bucket must stay open
-// during the call.
-void load_into(torch::nn::Module& module, const BucketView& bucket);
-void load_into(const NamedTensors& targets, const BucketView& bucket);
+// during the call. From a CUDA bucket, the targets on its device are written by one batched
+// copy queued on `stream` (the one the bucket was received on: release it on the same stream),
+// the others by copy_ on torch's current stream.
+void load_into(torch::nn::Module& module, const BucketView& bucket, CudaStream stream = nullptr);
+void load_into(const NamedTensors& targets, const BucketView& bucket, CudaStream stream = nullptr);
 
 }  // namespace tensorbucket::torch_bridge

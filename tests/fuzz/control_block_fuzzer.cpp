@@ -1,7 +1,8 @@
 // libFuzzer target: a consumer reading a control block and a slot that another process of our
 // uid wrote. Each input starts from a real channel (a producer in this process published one
-// bucket) and is XORed over it: its first sizeof(ControlBlock) bytes over the control block,
-// the rest over slot 0's frame (header and manifest). Then a consumer attaches, reads what it
+// bucket) and is XORed over it: its first kControlBytes over the control block (all of it but
+// the parts of a CUDA channel, unused on this host channel), the rest over slot 0's frame
+// (header and manifest). Then a consumer attaches, reads what it
 // can without waiting, and inspect_channel() looks. Whatever the bytes, every failure must be
 // a typed Error and every view must lie inside the mapping; a crash, a hang, another exception
 // or a sanitizer report is a finding.
@@ -62,7 +63,8 @@ std::string fuzz_outcome(const std::uint8_t* data, std::size_t size) {
   bucket.version(7).add("layer.weight", DType::F32, Shape{2, 2}, values).add("layer.bias", DType::F32, Shape{2}, values + 4);
   if (!publisher.publish(bucket, std::chrono::milliseconds(0))) std::abort();
 
-  auto control_bytes = std::min(size, sizeof(ipc::ControlBlock));
+  constexpr auto kControlBytes = offsetof(ipc::ControlBlock, device_slots);
+  auto control_bytes = std::min(size, kControlBytes);
   {
     Mapped control("tensorbucket." + channel, 0);
     xor_into(control.data, control.bytes, data, control_bytes);
