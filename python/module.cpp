@@ -465,6 +465,8 @@ class PyBucket {
         bucket_index_(bucket.view().bucket_index()),
         bucket_count_(bucket.view().bucket_count()),
         sequence_(bucket.sequence()),
+        publish_start_ns_(bucket.publish_start_ns()),
+        published_ns_(bucket.published_ns()),
         size_(bucket.view().size()),
         bucket_(std::make_shared<const ReceivedBucket>(std::move(bucket))),
         views_(size_) {}
@@ -506,6 +508,8 @@ class PyBucket {
   std::uint32_t bucket_index() const { return bucket_index_; }
   std::uint32_t bucket_count() const { return bucket_count_; }
   std::uint64_t sequence() const { return sequence_; }
+  std::uint64_t publish_start_ns() const { return publish_start_ns_; }
+  std::uint64_t published_ns() const { return published_ns_; }
   // The received bucket, for readers of its bytes; InvalidArgument once released.
   std::shared_ptr<const ReceivedBucket> received() const { return live(); }
   // Drops this handle's hold, and its views; tensors already taken keep the lease until they die.
@@ -536,6 +540,8 @@ class PyBucket {
   std::uint32_t bucket_index_;
   std::uint32_t bucket_count_;
   std::uint64_t sequence_;
+  std::uint64_t publish_start_ns_;
+  std::uint64_t published_ns_;
   std::size_t size_;
   std::shared_ptr<const ReceivedBucket> bucket_;
   std::vector<py::object> views_;  // by entry position; empty until asked for
@@ -740,6 +746,10 @@ PYBIND11_MODULE(tensorbucket, m) {
       .def_property_readonly("bucket_index", &PyBucket::bucket_index)
       .def_property_readonly("bucket_count", &PyBucket::bucket_count)
       .def_property_readonly("sequence", &PyBucket::sequence)
+      .def_property_readonly("publish_start_ns", &PyBucket::publish_start_ns,
+                             "When the producer began publishing it, as time.monotonic_ns() counts.")
+      .def_property_readonly("published_ns", &PyBucket::published_ns,
+                             "When it became visible to consumers, as time.monotonic_ns() counts.")
       .def("release", &PyBucket::release)
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](PyBucket& self, py::args) { self.release(); })

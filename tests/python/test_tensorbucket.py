@@ -829,3 +829,12 @@ def test_trainer_and_server_processes(channel):
     assert trainer.returncode == 0
     assert server.returncode == 0, output
     assert output.count("loaded and equal") == 5
+
+
+def test_a_bucket_says_when_it_was_published_on_the_monotonic_clock(channel):
+    with tensorbucket.Publisher(channel) as publisher, tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+        before = time.monotonic_ns()
+        publisher.publish({"w": torch.ones(4)})
+        bucket = subscriber.next(timeout=5)
+        after = time.monotonic_ns()
+        assert before <= bucket.publish_start_ns <= bucket.published_ns <= after
