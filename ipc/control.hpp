@@ -132,7 +132,7 @@ struct ControlBlock {
   WaitWord producer_wake;       // bumped on release, attach and detach
   std::uint16_t payload_home;   // a PayloadHome
   std::uint16_t reserved[3];
-  std::uint64_t incarnation;    // random, new for each producer: what consumers key imports by
+  std::uint64_t incarnation;    // random, new for each producer of the name
   DeviceUuid device;            // a CUDA channel's device
   SlotControl slots[kMaxSlots];
   ConsumerRecord consumers[kMaxConsumers];

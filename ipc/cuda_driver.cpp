@@ -9,6 +9,7 @@
 // for that reason; tests/test_cuda.cpp checks them against cuda.h where the toolkit is.
 #include <dlfcn.h>
 
+#include <map>
 #include <mutex>
 #include <vector>
 
@@ -46,6 +47,9 @@ struct Driver {
   CUresult (*zero)(CUdeviceptr address, unsigned char value, std::size_t bytes, CUstream stream);
   CUresult (*synchronize)(CUstream stream);
   CUresult (*synchronize_event)(CUevent event);
+  CUresult (*synchronize_context)();
+  CUresult (*current_context)(CUcontext* context);
+  CUresult (*create_stream)(CUstream* stream, unsigned flags);
   CUresult (*error_name)(CUresult code, const char** name);
 };
 
@@ -136,24 +140,59 @@ int wait_event(DeviceStream stream, DeviceEvent event) {
   return driver.wait_event(static_cast<CUstream>(stream), static_cast<CUevent>(event), 0);
 }
 
+// The batched call refuses the legacy default stream (null, or CU_STREAM_LEGACY), which is
+// torch's default stream. A batch for it runs on a stream of ours in the same context, fenced
+// by two events: after the work queued on the caller's stream before, and before the work
+// queued on it after, as if it ran there.
+struct SideStream {
+  CUstream stream = nullptr;
+  CUevent before = nullptr;
+  CUevent after = nullptr;
+};
+std::mutex side_mutex;  // one batch at a time on a side stream: its events are reused
+std::map<CUcontext, SideStream> side_streams;
+
+bool legacy(CUstream stream) { return stream == nullptr || stream == reinterpret_cast<CUstream>(kStreamLegacy); }
+
+int batch(const DeviceCopy* copies, std::size_t count, CUstream stream) {
+  std::vector<CUdeviceptr> to(count), from(count);
+    std::vector<std::size_t> bytes(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    to[i] = copies[i].to;
+    from[i] = copies[i].from;
+    bytes[i] = copies[i].bytes;
+  }
+  // One attribute for every copy: sources are read in stream order (they may be written by
+  // work queued before on the same stream).
+  CUmemcpyAttributes attributes{};
+  attributes.source_access_order = kMemcpySourceAccessOrderStream;
+  std::size_t first = 0, failed = 0;
+  return driver.copy_batch(to.data(), from.data(), bytes.data(), count, &attributes, &first, 1, &failed, stream);
+}
+
+int batch_beside(const DeviceCopy* copies, std::size_t count, CUstream stream) {
+  std::lock_guard lock(side_mutex);
+  CUcontext context = nullptr;
+  if (auto code = driver.current_context(&context)) return code;
+  auto& side = side_streams[context];
+  if (side.stream == nullptr) {
+    if (auto code = driver.create_stream(&side.stream, kStreamNonBlocking)) return code;
+    if (auto code = driver.create_event(&side.before, kEventDisableTiming)) return code;
+    if (auto code = driver.create_event(&side.after, kEventDisableTiming)) return code;
+  }
+  if (auto code = driver.record_event(side.before, stream)) return code;
+  if (auto code = driver.wait_event(side.stream, side.before, 0)) return code;
+  if (auto code = batch(copies, count, side.stream)) return code;
+  if (auto code = driver.record_event(side.after, side.stream)) return code;
+  return driver.wait_event(stream, side.after, 0);
+}
+
 int copy(const DeviceCopy* copies, std::size_t count, DeviceStream stream) {
   if (count == 0) return 0;
-  // The batched call refuses the legacy default stream, and drivers before 12.8 lack it.
-  if (driver.copy_batch != nullptr && stream != nullptr && count > 1) {
-    std::vector<CUdeviceptr> to(count), from(count);
-    std::vector<std::size_t> bytes(count);
-    for (std::size_t i = 0; i < count; ++i) {
-      to[i] = copies[i].to;
-      from[i] = copies[i].from;
-      bytes[i] = copies[i].bytes;
-    }
-    // One attribute for every copy: sources are read in stream order (they may be written
-    // by work queued before on the same stream).
-    CUmemcpyAttributes attributes{};
-    attributes.source_access_order = kMemcpySourceAccessOrderStream;
-    std::size_t first = 0, failed = 0;
-    return driver.copy_batch(to.data(), from.data(), bytes.data(), count, &attributes, &first, 1, &failed,
-                             static_cast<CUstream>(stream));
+  auto on = static_cast<CUstream>(stream);
+  // Drivers before 12.8 lack the batched call: one copy per entry.
+  if (driver.copy_batch != nullptr && count > 1) {
+    return legacy(on) ? batch_beside(copies, count, on) : batch(copies, count, on);
   }
   for (std::size_t i = 0; i < count; ++i) {
     if (auto code = driver.copy(copies[i].to, copies[i].from, copies[i].bytes, static_cast<CUstream>(stream))) {
@@ -169,6 +208,7 @@ int zero(DeviceAddress address, std::uint64_t bytes, DeviceStream stream) {
 
 int synchronize(DeviceStream stream) { return driver.synchronize(static_cast<CUstream>(stream)); }
 int synchronize_event(DeviceEvent event) { return driver.synchronize_event(static_cast<CUevent>(event)); }
+int synchronize_context() { return driver.synchronize_context(); }
 
 const char* error_name(int code) {
   const char* name = nullptr;
@@ -180,7 +220,7 @@ constexpr DeviceApi kDriverApi{
     "the CUDA driver", device_count, device_uuid, enter,          leave,         allocate,
     release,           export_memory, import_memory, close_memory, create_event, export_event,
     import_event,      destroy_event, record_event, wait_event,    copy,          zero,
-    synchronize,       synchronize_event, error_name,
+    synchronize,       synchronize_event, synchronize_context, error_name,
 };
 
 const DeviceApi* load() {
@@ -236,6 +276,9 @@ const DeviceApi* load() {
   resolve(driver.zero, "cuMemsetD8Async", 12000);
   resolve(driver.synchronize, "cuStreamSynchronize", 12000);
   resolve(driver.synchronize_event, "cuEventSynchronize", 12000);
+  resolve(driver.synchronize_context, "cuCtxSynchronize", 12000);
+  resolve(driver.current_context, "cuCtxGetCurrent", 12000);
+  resolve(driver.create_stream, "cuStreamCreate", 12000);
   return &kDriverApi;
 }
 

@@ -42,6 +42,8 @@ inline constexpr unsigned kEventInterprocess = 0x4;            // CU_EVENT_INTER
 inline constexpr unsigned kIpcMemLazyEnablePeerAccess = 0x1;   // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 inline constexpr int kMemcpySourceAccessOrderStream = 0x1;     // CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 inline constexpr std::uint64_t kGetProcAddressLegacyStream = 1;  // CU_GET_PROC_ADDRESS_LEGACY_STREAM
+inline constexpr std::uintptr_t kStreamLegacy = 0x1;            // CU_STREAM_LEGACY
+inline constexpr unsigned kStreamNonBlocking = 0x1;              // CU_STREAM_NON_BLOCKING
 
 // The driver's table, loaded on first call; CudaUnavailable when it cannot be.
 const DeviceApi& driver_api();

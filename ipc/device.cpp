@@ -2,14 +2,40 @@
 
 #include <atomic>
 #include <cstdio>
+#include <map>
+#include <mutex>
+#include <vector>
 
 #include "cuda_driver.hpp"
+#include "process.hpp"
 #include "serialize/text.hpp"
 
 namespace tensorbucket::ipc {
 
 namespace {
+
 std::atomic<const DeviceApi*> stand_in{nullptr};
+
+struct EventPool {
+  std::mutex mutex;
+  Owner owner;
+  std::map<int, std::vector<PooledEvent>> free;                              // by ordinal
+  std::map<std::array<std::uint8_t, kDeviceHandleBytes>, DeviceEvent> made;  // by handle
+
+  // In a forked child the parent's events are not ours: forgotten, not destroyed.
+  void forget_if_forked() {
+    if (!owner.forked()) return;
+    free.clear();
+    made.clear();
+    owner = Owner();
+  }
+};
+
+EventPool& event_pool() {
+  static auto* pool = new EventPool;  // never destroyed: in use until the process ends
+  return *pool;
+}
+
 }  // namespace
 
 const DeviceApi& device_api() {
@@ -61,6 +87,46 @@ std::string describe(const DeviceUuid& uuid) {
     text += hex;
   }
   return text;
+}
+
+PooledEvent take_event(int ordinal) {
+  auto& pool = event_pool();
+  std::lock_guard lock(pool.mutex);
+  pool.forget_if_forked();
+  auto& free = pool.free[ordinal];
+  if (!free.empty()) {
+    auto event = free.back();
+    free.pop_back();
+    return event;
+  }
+  const auto& api = device_api();
+  PooledEvent made;
+  check_device(api.create_event(&made.event), "cuEventCreate");
+  if (auto code = api.export_event(&made.handle, made.event)) {
+    api.destroy_event(made.event);  // never exported: nobody else can hold it
+    check_device(code, "cuIpcGetEventHandle");
+  }
+  pool.made[made.handle.bytes] = made.event;
+  return made;
+}
+
+void give_back_event(int ordinal, const PooledEvent& event) noexcept {
+  auto& pool = event_pool();
+  std::lock_guard lock(pool.mutex);
+  if (pool.owner.forked()) return;  // the parent's
+  try {
+    pool.free[ordinal].push_back(event);
+  } catch (const std::bad_alloc&) {
+    // Leaked: lost to reuse, never destroyed under a waiter.
+  }
+}
+
+DeviceEvent own_event(const DeviceHandle& handle) noexcept {
+  auto& pool = event_pool();
+  std::lock_guard lock(pool.mutex);
+  if (pool.owner.forked()) return nullptr;
+  auto found = pool.made.find(handle.bytes);
+  return found == pool.made.end() ? nullptr : found->second;
 }
 
 DeviceScope::DeviceScope(int ordinal) { check_device(device_api().enter(ordinal), "cuCtxPushCurrent"); }

@@ -56,6 +56,7 @@ struct DeviceApi {
   int (*zero)(DeviceAddress address, std::uint64_t bytes, DeviceStream stream);
   int (*synchronize)(DeviceStream stream);
   int (*synchronize_event)(DeviceEvent event);
+  int (*synchronize_context)();  // the current context: all its streams
   const char* (*error_name)(int code);
 };
 
@@ -75,6 +76,22 @@ DeviceUuid device_uuid(int ordinal);
 int device_ordinal(const DeviceUuid& uuid);
 // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi names devices.
 std::string describe(const DeviceUuid& uuid);
+
+// An interprocess event of this process and its exported handle.
+struct PooledEvent {
+  DeviceEvent event = nullptr;
+  DeviceHandle handle{};
+};
+
+// Interprocess events are made on demand and never destroyed, only handed out again: another
+// process may still wait on its import of one, and using an import after its exporter
+// destroyed the event is undefined (cuIpcOpenEventHandle). take_event() needs the device's
+// context current (DeviceScope); a forked child starts with an empty pool.
+PooledEvent take_event(int ordinal);
+void give_back_event(int ordinal, const PooledEvent& event) noexcept;
+// This process's own event with `handle`, or null. The driver does not import a process's own
+// exports, so a producer and a consumer in one process use the event itself.
+DeviceEvent own_event(const DeviceHandle& handle) noexcept;
 
 // The device's context current on this thread while it lives; the caller's afterwards.
 class DeviceScope {

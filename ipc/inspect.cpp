@@ -76,6 +76,7 @@ ChannelInfo inspect_channel(std::string_view channel) {
   };
   auto producer = ipc::load_label(control->producer);
   info.producer_pid = producer.pid;
+  info.producer_incarnation = ipc::atomic(control->incarnation).load(std::memory_order_relaxed);
   info.producer_pid_elsewhere = elsewhere(producer);
   info.producer_alive = ipc::held_by_other(segment->descriptor(), ipc::kProducerLockByte);
   info.closed = ipc::atomic(control->closed).load(std::memory_order_acquire) != 0;

@@ -48,19 +48,22 @@ std::string describe(const ipc::ProcessLabel& process) {
 }  // namespace
 
 // A CUDA channel's consumers' release events (control.hpp, ReleaseEvents), imported once per
-// attach of each record. A record whose events cannot be imported (a peer wrote garbage
-// there) gets no ordering on the device: docs/channel.md, "Hostile peers".
+// attach of each record (a consumer in this process lends its own). A record whose events
+// cannot be imported (a peer wrote garbage there) gets no ordering on the device:
+// docs/channel.md, "CUDA".
 class ReleaseWaits {
  public:
   explicit ReleaseWaits(int device) : device_(device) {}
 
-  // Makes `stream` wait until every consumer that holds a record now finished, on its
-  // device streams, the work it queued before releasing slot `s`.
-  void wait(ipc::ControlBlock& control, std::uint32_t s, std::uint32_t slot_count, ipc::DeviceStream stream) {
+  // Makes `stream` wait until every live consumer that holds a record now finished, on its
+  // device streams, the work it queued before releasing slot `s`. A dead one's work died with
+  // it: its events are not waited on (nor is what became of them known).
+  void wait(ipc::ControlBlock& control, int locks, std::uint32_t s, std::uint32_t slot_count, ipc::DeviceStream stream) {
     const auto& api = ipc::device_api();
     for (std::uint32_t r = 0; r < ipc::kMaxConsumers; ++r) {
       auto token = ipc::claim_token(ipc::atomic(control.consumers[r].claim).load(std::memory_order_acquire));
       auto& record = records_[r];
+      if (token != 0 && !ipc::held_by_other(locks, ipc::consumer_lock_byte(r))) token = 0;
       if (record.token != token) {
         record.close();
         record.token = token;
@@ -84,16 +87,21 @@ class ReleaseWaits {
   struct Record {
     std::uint64_t token = 0;
     ipc::DeviceEvent events[ipc::kMaxSlots] = {};
+    bool imported[ipc::kMaxSlots] = {};  // else a consumer's in this process, or none
     void open(const ipc::ReleaseEvents& shared, std::uint32_t slot_count) {
       for (std::uint32_t s = 0; s < slot_count; ++s) {
         auto handle = shared.slots[s];  // one copy of what a peer may be writing
-        if (ipc::device_api().import_event(&events[s], handle) != 0) events[s] = nullptr;
+        events[s] = ipc::own_event(handle);
+        if (events[s] != nullptr) continue;
+        imported[s] = ipc::device_api().import_event(&events[s], handle) == 0;
+        if (!imported[s]) events[s] = nullptr;
       }
     }
     void close() noexcept {
-      for (auto& event : events) {
-        if (event != nullptr) ipc::device_api().destroy_event(event);
-        event = nullptr;
+      for (std::uint32_t s = 0; s < ipc::kMaxSlots; ++s) {
+        if (imported[s]) ipc::device_api().destroy_event(events[s]);
+        events[s] = nullptr;
+        imported[s] = false;
       }
     }
   };
@@ -294,22 +302,28 @@ struct detail::PublisherState {
 
   // Writes the header and publishes the claimed slot: the bucket's bytes are in place (on a
   // device: queued on `stream`, which the ready event recorded here covers).
+  // Whatever throws before the generation is published leaves the slot empty: a slot left odd
+  // would block every later claim of it.
   void finish(std::uint64_t bucket, std::uint64_t payload_bytes) {
     auto s = slot_of(bucket);
     auto& slot = slots[s];
-    std::optional<ipc::DeviceScope> scope;
-    if (device) scope.emplace(*device);
-    if (options.payload_checksum) {
-      header.flags |= kPayloadChecksum;
-      header.payload_xxh3 = payload_hash(slot.storage, payload_bytes);
-    }
-    std::memcpy(slot.storage.frame().data(), &header, sizeof header);
-    slot.storage.record_ready(stream);
-    refuse_if_control_damaged();
-    if (slot.storage.damaged()) {
+    try {
+      std::optional<ipc::DeviceScope> scope;
+      if (device) scope.emplace(*device);
+      if (options.payload_checksum) {
+        header.flags |= kPayloadChecksum;
+        header.payload_xxh3 = payload_hash(slot.storage, payload_bytes);
+      }
+      std::memcpy(slot.storage.frame().data(), &header, sizeof header);
+      slot.storage.record_ready(stream);
+      refuse_if_control_damaged();
+      if (slot.storage.damaged()) {
+        fail(ErrorCode::SystemError, "the segment of slot ", s, " of channel ", Quoted{channel},
+             " was truncated by another process while bucket ", bucket, " was written; it was not published");
+      }
+    } catch (...) {
       abandon(bucket);
-      fail(ErrorCode::SystemError, "the segment of slot ", s, " of channel ", Quoted{channel},
-           " was truncated by another process while bucket ", bucket, " was written; it was not published");
+      throw;
     }
     auto& shared = shared_slot(s);
     shared.published_ns = ipc::monotonic_ns();
@@ -376,7 +390,7 @@ struct detail::PublisherState {
                               std::uint64_t encoding_id, ipc::DeviceStream on) {
     ipc::DeviceScope scope(*device);
     stream = on;
-    release_waits->wait(*control, s, options.slots, on);
+    release_waits->wait(*control, control_segment.descriptor(), s, options.slots, on);
     auto& slot = slots[s];
     if (slot.payload_layout == encoding_id) return;
     const auto& api = ipc::device_api();

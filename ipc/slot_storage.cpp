@@ -1,9 +1,9 @@
 #include "slot_storage.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <mutex>
-#include <tuple>
 
 #include "process.hpp"
 #include "serialize/text.hpp"
@@ -34,15 +34,15 @@ Segment create_segment(const std::string& name, std::uint64_t bytes, mode_t mode
 
 }  // namespace
 
-// One epoch's device allocation and ready event, exported once.
+// One epoch's device allocation, exported once, and the slot's ready event (pooled: see
+// take_event()). Shared with consumers in this process, which use it directly.
 struct SlotStorage::Device {
   int ordinal;
   DeviceUuid uuid{};
   DeviceAddress address = 0;
   std::uint64_t capacity = 0;
   DeviceHandle memory{};
-  DeviceEvent ready = nullptr;
-  DeviceHandle ready_handle{};
+  PooledEvent ready;
   Owner owner;  // a forked child must not free its parent's device memory
 
   Device(int device_ordinal, std::uint64_t bytes) : ordinal(device_ordinal), capacity(bytes) {
@@ -56,8 +56,7 @@ struct SlotStorage::Device {
       check_device(api.zero(address, bytes, nullptr), "cuMemsetD8Async");
       check_device(api.synchronize(nullptr), "cuStreamSynchronize");
       check_device(api.export_memory(&memory, address), "cuIpcGetMemHandle");
-      check_device(api.create_event(&ready), "cuEventCreate");
-      check_device(api.export_event(&ready_handle, ready), "cuIpcGetEventHandle");
+      ready = take_event(ordinal);
     } catch (...) {
       free();
       throw;
@@ -69,21 +68,53 @@ struct SlotStorage::Device {
     if (owner.forked()) return;
     try {
       DeviceScope scope(ordinal);
+      // Our own copies into it may still run; consumers' imports keep the memory (the
+      // driver frees it when the last importer closes).
+      device_api().synchronize_context();
       free();
     } catch (const Error&) {
       // The context is gone (the driver shutting down): so is the memory.
     }
   }
-  // Memory a consumer still has open stays allocated until it closes it: freeing here never
-  // pulls bytes from under a reader.
   void free() noexcept {
-    const auto& api = device_api();
-    if (ready != nullptr) api.destroy_event(ready);
-    if (address != 0) api.release(address);
-    ready = nullptr;
+    if (address != 0) device_api().release(address);
+    if (ready.event != nullptr) give_back_event(ordinal, ready);
     address = 0;
+    ready = {};
   }
 };
+
+namespace {
+
+using HandleBytes = std::array<std::uint8_t, kDeviceHandleBytes>;
+
+// The device memory this process exported, by handle, for consumers in this process: the
+// driver does not import a process's own exports.
+struct LocalExports {
+  std::mutex mutex;
+  Owner owner;
+  std::map<HandleBytes, std::weak_ptr<const void>> devices;  // a SlotStorage::Device each
+
+  // A forked child's copy names its parent's memory, which is not the child's to use.
+  std::shared_ptr<const void> find(const HandleBytes& handle) {
+    std::lock_guard lock(mutex);
+    if (owner.forked()) return nullptr;
+    std::erase_if(devices, [](const auto& entry) { return entry.second.expired(); });
+    auto found = devices.find(handle);
+    return found == devices.end() ? nullptr : found->second.lock();
+  }
+  void add(const HandleBytes& handle, std::weak_ptr<const void> device) {
+    std::lock_guard lock(mutex);
+    if (!owner.forked()) devices[handle] = std::move(device);
+  }
+};
+
+LocalExports& local_exports() {
+  static auto* exports = new LocalExports;  // never destroyed: storages may outlive statics
+  return *exports;
+}
+
+}  // namespace
 
 SlotStorage::SlotStorage(std::string channel, std::uint32_t slot, mode_t mode, std::optional<int> device)
     : channel_(std::move(channel)), slot_(slot), mode_(mode), ordinal_(device) {}
@@ -98,8 +129,11 @@ bool SlotStorage::fit(std::uint64_t payload_bytes, std::uint64_t frame_bytes) {
   auto frame_capacity = round_up(std::max({frame_bytes, frame_capacity_, kMinFrameCapacity}), kPageBytes);
   auto epoch = epoch_ + 1;
   // New storage under a new epoch, all of it: consumers key what they imported by the epoch.
-  std::unique_ptr<Device> device;
-  if (ordinal_) device = std::make_unique<Device>(*ordinal_, payload_capacity);
+  std::shared_ptr<Device> device;
+  if (ordinal_) {
+    device = std::make_shared<Device>(*ordinal_, payload_capacity);
+    local_exports().add(device->memory.bytes, device);
+  }
   auto host_payload = ordinal_ ? 0 : payload_capacity;
   auto segment = create_segment(slot_segment_name(channel_, slot_, epoch), host_payload + frame_capacity, mode_);
   remove();
@@ -132,24 +166,28 @@ void SlotStorage::describe(SlotControl& shared, SlotDevice& device, std::uint64_
   device.epoch = epoch_;
   device.capacity = device_->capacity;
   device.memory = device_->memory;
-  device.ready_event = device_->ready_handle;
+  device.ready_event = device_->ready.handle;
 }
 
 void SlotStorage::record_ready(DeviceStream stream) const {
   if (!device_) return;
   DeviceScope scope(device_->ordinal);
-  check_device(device_api().record_event(device_->ready, stream), "cuEventRecord");
+  check_device(device_api().record_event(device_->ready.event, stream), "cuEventRecord");
 }
 
 void SlotStorage::remove() noexcept {
   if (epoch_ != 0) Segment::remove(slot_segment_name(channel_, slot_, epoch_));
 }
 
+// A slot's payload as a consumer holds it: memory and ready event imported from another
+// process, or, when the producer is this process, its own (kept alive by `local`).
 struct ImportedPayload {
   int ordinal = -1;
   DeviceAddress address = 0;
   std::uint64_t bytes = 0;
   DeviceEvent ready = nullptr;
+  bool imported_event = false;
+  std::shared_ptr<const void> local;  // the producer's SlotStorage::Device, when in this process
   Owner owner;
 
   ImportedPayload() = default;
@@ -160,8 +198,10 @@ struct ImportedPayload {
     try {
       DeviceScope scope(ordinal);
       const auto& api = device_api();
-      if (ready != nullptr) api.destroy_event(ready);
-      if (address != 0) api.close_memory(address);
+      // Work of ours that reads the memory may still run; closing does not wait for it.
+      if (address != 0 || ready != nullptr) api.synchronize_context();
+      if (imported_event) api.destroy_event(ready);
+      if (!local && address != 0) api.close_memory(address);
     } catch (const Error&) {
       // The context is gone (the driver shutting down): so are the imports.
     }
@@ -170,28 +210,36 @@ struct ImportedPayload {
 
 namespace {
 
-// Imports of this process, by (producer incarnation, slot, epoch): every Subscriber of one
-// producer's channel in this process shares them, and the last holder closes them.
-struct ImportKey {
-  std::uint64_t incarnation;
-  std::uint32_t slot;
-  std::uint64_t epoch;
-  friend auto operator<=>(const ImportKey&, const ImportKey&) = default;
-};
+// Imports of this process, by memory handle: every Subscriber of one producer in this process
+// shares them (the driver maps a handle once per process), and the last holder closes them.
 std::mutex imports_mutex;
-std::map<ImportKey, std::weak_ptr<const ImportedPayload>> imports;
+std::map<HandleBytes, std::weak_ptr<const ImportedPayload>> imports;
+std::atomic<std::uint64_t> imports_made{0};
 
-std::shared_ptr<const ImportedPayload> import_payload(const ImportKey& key, const SlotDevice& fields) {
+std::shared_ptr<const ImportedPayload> import_payload(const SlotDevice& fields, int ordinal) {
   std::lock_guard lock(imports_mutex);
   std::erase_if(imports, [](const auto& entry) { return entry.second.expired(); });
-  if (auto known = imports[key].lock()) return known;
+  if (auto known = imports[fields.memory.bytes].lock()) return known;
   auto imported = std::make_shared<ImportedPayload>();
-  imported->ordinal = device_ordinal(fields.device);
+  imported->ordinal = ordinal;
   const auto& api = device_api();
-  DeviceScope scope(imported->ordinal);
-  check_device(api.import_memory(&imported->address, &imported->bytes, fields.memory), "cuIpcOpenMemHandle");
-  check_device(api.import_event(&imported->ready, fields.ready_event), "cuIpcOpenEventHandle");
-  imports[key] = imported;
+  DeviceScope scope(ordinal);
+  if (auto local = local_exports().find(fields.memory.bytes)) {
+    const auto& device = *static_cast<const SlotStorage::Device*>(local.get());
+    imported->address = device.address;
+    imported->bytes = device.capacity;
+    imported->ready = device.ready.event;
+    imported->local = std::move(local);
+  } else {
+    check_device(api.import_memory(&imported->address, &imported->bytes, fields.memory), "cuIpcOpenMemHandle");
+    ++imports_made;
+    imported->ready = own_event(fields.ready_event);
+    if (imported->ready == nullptr) {
+      check_device(api.import_event(&imported->ready, fields.ready_event), "cuIpcOpenEventHandle");
+      imported->imported_event = true;
+    }
+  }
+  imports[fields.memory.bytes] = imported;
   return imported;
 }
 
@@ -202,8 +250,10 @@ std::size_t open_device_imports() {
   return std::count_if(imports.begin(), imports.end(), [](const auto& entry) { return !entry.second.expired(); });
 }
 
-SlotReader::SlotReader(std::string channel, std::uint32_t slot, PayloadHome home, std::uint64_t incarnation)
-    : channel_(std::move(channel)), slot_(slot), home_(home), incarnation_(incarnation) {}
+std::uint64_t device_imports_made() { return imports_made.load(); }
+
+SlotReader::SlotReader(std::string channel, std::uint32_t slot, PayloadHome home, DeviceUuid device, int ordinal)
+    : channel_(std::move(channel)), slot_(slot), home_(home), device_(device), ordinal_(ordinal) {}
 
 std::optional<SlotMapping> SlotReader::map(SlotControl& shared, SlotDevice& device) {
   auto epoch = atomic(shared.segment_epoch).load(std::memory_order_relaxed);
@@ -228,13 +278,21 @@ std::optional<SlotMapping> SlotReader::map(SlotControl& shared, SlotDevice& devi
     mapping.payload = segment_->bytes().first(payload_capacity);
     return mapping;
   }
-  if (!imported_) {
-    auto fields = device;  // one copy: what is checked is what is imported
-    if (fields.epoch != epoch) {
-      fail(ErrorCode::HeaderCorrupt, "slot ", slot_, " of channel ", Quoted{channel_}, " carries device handles of epoch ",
-           fields.epoch, " for storage epoch ", epoch);
-    }
-    imported_ = import_payload({incarnation_, slot_, epoch}, fields);
+  auto fields = device;  // one copy: what is checked is what is imported
+  if (fields.epoch != epoch) {
+    fail(ErrorCode::HeaderCorrupt, "slot ", slot_, " of channel ", Quoted{channel_}, " carries device handles of epoch ",
+         fields.epoch, " for storage epoch ", epoch);
+  }
+  if (fields.device != device_) {
+    fail(ErrorCode::HeaderCorrupt, "slot ", slot_, " of channel ", Quoted{channel_}, " names device ",
+         describe(fields.device), ", not the channel's ", describe(device_));
+  }
+  // The handle as imported, compared every time (64 bytes): what a peer wrote there before
+  // the import is replaced by the producer with the next bucket, and imported again then.
+  if (!imported_ || imported_handle_ != fields.memory.bytes) {
+    imported_.reset();
+    imported_ = import_payload(fields, ordinal_);
+    imported_handle_ = fields.memory.bytes;
   }
   // The size the driver gives for what it mapped, never one read from shared memory.
   mapping.imported = imported_;

@@ -7,7 +7,8 @@
 // - host: the payload comes first in that segment, the frame follows at payload_capacity;
 // - CUDA: the frame is at offset 0, and the payload is a device allocation of the
 //   producer's, exported once per epoch with an interprocess event that the producer records
-//   after writing it. Consumers import both once per (producer, slot, epoch) and keep them.
+//   after writing it. Consumers import both once per handle and keep them (a consumer in the
+//   producer's process uses the producer's own).
 // A slot gets a new epoch, with all new storage, when a bucket does not fit or another process
 // truncated its segment.
 #pragma once
@@ -61,14 +62,15 @@ class SlotStorage {
   // Unlinks the present epoch's segment (mappings stay valid).
   void remove() noexcept;
 
+  struct Device;  // slot_storage.cpp
+
  private:
-  struct Device;
   std::string channel_;
   std::uint32_t slot_;
   mode_t mode_;
   std::optional<int> ordinal_;
   std::optional<Segment> segment_;
-  std::unique_ptr<Device> device_;
+  std::shared_ptr<Device> device_;
   std::uint64_t epoch_ = 0;
   std::uint64_t payload_capacity_ = 0;
   std::uint64_t frame_capacity_ = 0;
@@ -87,10 +89,11 @@ struct SlotMapping {
   int device = -1;                     // CUDA: this process's ordinal of the payload's device
 };
 
-// A consumer's reader of one slot: maps each epoch once.
+// A consumer's reader of one slot: maps each epoch once. On a CUDA channel, `device` is the
+// channel's device and `ordinal` this process's number for it.
 class SlotReader {
  public:
-  SlotReader(std::string channel, std::uint32_t slot, PayloadHome home, std::uint64_t incarnation);
+  SlotReader(std::string channel, std::uint32_t slot, PayloadHome home, DeviceUuid device = {}, int ordinal = -1);
 
   // The slot's bucket, found through its shared fields. Anyone can write those: each is read
   // once and checked against what this process mapped (HeaderCorrupt when it does not fit).
@@ -101,13 +104,17 @@ class SlotReader {
   std::string channel_;
   std::uint32_t slot_;
   PayloadHome home_;
-  std::uint64_t incarnation_;
+  DeviceUuid device_;
+  int ordinal_;
   std::uint64_t epoch_ = 0;
   std::shared_ptr<Segment> segment_;
   std::shared_ptr<const ImportedPayload> imported_;
+  std::array<std::uint8_t, kDeviceHandleBytes> imported_handle_{};
 };
 
-// Imports of this process that are open now, for tests and `inspect`.
+// Device payloads this process holds now, and the handles it has opened so far (each an
+// import through the driver; a producer's own memory in this process is not one), for tests.
 std::size_t open_device_imports();
+std::uint64_t device_imports_made();
 
 }  // namespace tensorbucket::ipc

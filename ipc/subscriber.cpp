@@ -48,47 +48,38 @@ constexpr int kClaimRetries = 1000;
 }  // namespace
 
 // A consumer's release events on a CUDA channel (control.hpp, ReleaseEvents): one per slot,
-// made and exported at attach.
+// taken from the process's pool at attach and given back at detach.
 struct ReleaseEvents {
   int device;
-  std::vector<ipc::DeviceEvent> events;
-  std::vector<ipc::DeviceHandle> handles;
+  std::vector<ipc::PooledEvent> events;
   ipc::Owner owner;
 
   ReleaseEvents(int ordinal, std::uint32_t slot_count) : device(ordinal) {
     ipc::DeviceScope scope(device);
-    const auto& api = ipc::device_api();
     try {
-      for (std::uint32_t s = 0; s < slot_count; ++s) {
-        events.push_back(nullptr);
-        ipc::check_device(api.create_event(&events.back()), "cuEventCreate");
-        handles.push_back({});
-        ipc::check_device(api.export_event(&handles.back(), events.back()), "cuIpcGetEventHandle");
-      }
+      for (std::uint32_t s = 0; s < slot_count; ++s) events.push_back(ipc::take_event(device));
     } catch (...) {
-      destroy();
+      give_back();
       throw;
     }
   }
   ReleaseEvents(const ReleaseEvents&) = delete;
   ReleaseEvents& operator=(const ReleaseEvents&) = delete;
-  // Waits for the work each release was ordered after: the producer stops waiting on our
-  // events once our record is free, so that work must be done before it is. The one host
-  // wait of a consumer, at detach.
+  // Destroyed after our record is freed: the producer stops waiting on our events then, so
+  // the work each release was ordered after must be done first. The one host wait of a
+  // consumer, at detach.
   ~ReleaseEvents() {
     if (owner.forked()) return;  // the parent's
     try {
       ipc::DeviceScope scope(device);
-      for (auto* event : events) ipc::device_api().synchronize_event(event);
-      destroy();
+      for (const auto& event : events) ipc::device_api().synchronize_event(event.event);
     } catch (const Error&) {
-      // The context is gone (the driver shutting down): so are the events.
+      // The context is gone (the driver shutting down): so is the work.
     }
+    give_back();
   }
-  void destroy() noexcept {
-    for (auto* event : events) {
-      if (event != nullptr) ipc::device_api().destroy_event(event);
-    }
+  void give_back() noexcept {
+    for (const auto& event : events) ipc::give_back_event(device, event);
     events.clear();
   }
 };
@@ -103,21 +94,24 @@ struct detail::SubscriberState {
   std::uint32_t record_index = 0;
   std::uint64_t token = 0;  // ours in record->claim
   std::uint64_t next_bucket = 0;
-  std::vector<ipc::SlotReader> slots;
   PayloadLocation location;  // where views point: the host, or our ordinal of the device
+  std::vector<ipc::SlotReader> slots;
   Clock::time_point last_liveness_check{};
   ManifestCache manifests;  // a producer resends the same layout every step
   ipc::Owner owner;
-  std::optional<ReleaseEvents> release_events;  // CUDA channels; destroyed before the record is freed
+  std::optional<ReleaseEvents> release_events;  // CUDA channels; given back after the record is freed
 
+  // On a CUDA channel, `device` is its device, which this process numbers `where.device`.
   SubscriberState(std::string name, ipc::Segment segment, std::uint32_t slots_in_channel, ipc::PayloadHome payload_home,
-                  std::uint64_t incarnation)
+                  PayloadLocation where, const ipc::DeviceUuid& device)
       : channel(std::move(name)),
         control_segment(std::move(segment)),
         control(reinterpret_cast<ipc::ControlBlock*>(control_segment.data())),
         slot_count(slots_in_channel),
-        home(payload_home) {
-    for (std::uint32_t s = 0; s < slot_count; ++s) slots.emplace_back(channel, s, home, incarnation);
+        home(payload_home),
+        location(where) {
+    for (std::uint32_t s = 0; s < slot_count; ++s) slots.emplace_back(channel, s, home, device, where.device);
+    if (!where.on_host()) release_events.emplace(where.device, slot_count);
   }
 
   // A child forked from the consumer inherits this handle and its buckets, but the record and
@@ -127,7 +121,6 @@ struct detail::SubscriberState {
 
   // Frees the record, unless it was taken from us; the lock goes after, with the descriptor.
   ~SubscriberState() {
-    release_events.reset();
     if (record == nullptr || forked()) return;
     auto claim = ipc::atomic(record->claim).load(std::memory_order_seq_cst);
     for (int retry = 0; retry < kClaimRetries && ipc::claim_token(claim) == token; ++retry) {
@@ -171,11 +164,14 @@ struct detail::SubscriberState {
   std::uint64_t& generation(std::uint32_t s) { return control->slots[s].generation; }
 
   // Records slot `s`'s release event on `stream` (CUDA channels), before the release itself.
+  // Where the event cannot be recorded (a stream of another context, say), the stream's work
+  // is waited for on the host instead: the slot is given back only after it either way.
   void record_release(std::uint32_t s, CudaStream stream) noexcept {
     if (!release_events) return;
     try {
       ipc::DeviceScope scope(release_events->device);
-      ipc::device_api().record_event(release_events->events[s], stream);
+      const auto& api = ipc::device_api();
+      if (api.record_event(release_events->events[s].event, stream) != 0) api.synchronize(stream);
     } catch (const Error&) {
       // Without a context there is no work left to order.
     }
@@ -223,22 +219,24 @@ struct detail::SubscriberState {
   // A verified device bucket made usable on `stream`: its payload hash checked first when
   // asked (on a copy brought back: the one host wait of a consumer's next()), then the stream
   // made to wait for the producer's writing of it.
-  void ready_on_device(const ipc::SlotMapping& mapping, const VerifyOptions& options,
+  // What is checked is the header `view` verified, never the frame again: a peer may have
+  // changed it since.
+  void ready_on_device(const ipc::SlotMapping& mapping, const BucketView& view, const VerifyOptions& options,
                        CudaStream stream, std::uint64_t bucket) {
     ipc::DeviceScope scope(mapping.device);
     const auto& api = ipc::device_api();
     ipc::check_device(api.wait_event(stream, mapping.ready), "cuStreamWaitEvent");
-    auto header = read_header(mapping.frame);
-    if (!(header.flags & kPayloadChecksum) || !options.check_payload_checksum) return;
-    std::vector<std::byte> copy(header.payload_bytes);
+    auto expected = view.payload_checksum();
+    if (!expected || !options.check_payload_checksum) return;
+    std::vector<std::byte> copy(view.payload().size());  // within the imported block: open() checked
     ipc::DeviceCopy back{reinterpret_cast<ipc::DeviceAddress>(copy.data()),
-                         reinterpret_cast<ipc::DeviceAddress>(mapping.payload.data()), copy.size()};
+                         reinterpret_cast<ipc::DeviceAddress>(view.payload().data()), copy.size()};
     ipc::check_device(api.copy(&back, 1, stream), "cuMemcpyAsync");
     ipc::check_device(api.synchronize(stream), "cuStreamSynchronize");
     auto hash = xxh3(copy);
-    if (hash != header.payload_xxh3) {
+    if (hash != *expected) {
       fail(ErrorCode::ChecksumMismatch, "payload hash 0x", std::hex, hash, " of bucket ", std::dec, bucket,
-           " does not match the header's 0x", std::hex, header.payload_xxh3);
+           " does not match the header's 0x", std::hex, *expected);
     }
   }
 
@@ -263,8 +261,8 @@ struct detail::SubscriberState {
       TENSORBUCKET_TEST_HOOK(before_claim);
       // Ours to write while we hold the lock byte; the producer reads them after our claim.
       if (release_events) {
-        for (std::uint32_t s = 0; s < release_events->handles.size(); ++s) {
-          control->release_events[r].slots[s] = release_events->handles[s];
+        for (std::uint32_t s = 0; s < release_events->events.size(); ++s) {
+          control->release_events[r].slots[s] = release_events->events[s].handle;
         }
       }
       // Blocks every reuse of a slot from the claim on, until we choose where to start.
@@ -342,7 +340,6 @@ Subscriber Subscriber::attach(std::string_view channel, std::chrono::millisecond
   std::uint32_t slot_count = ipc::atomic(control->slot_count).load(std::memory_order_relaxed);
   std::uint32_t max_consumers = ipc::atomic(control->max_consumers).load(std::memory_order_relaxed);
   auto home = ipc::atomic(control->payload_home).load(std::memory_order_relaxed);
-  auto incarnation = ipc::atomic(control->incarnation).load(std::memory_order_relaxed);
   if (layout_version != ipc::kControlLayoutVersion || slot_count < 1 || slot_count > ipc::kMaxSlots ||
       max_consumers < 1 || max_consumers > ipc::kMaxConsumers ||
       home > static_cast<std::uint16_t>(ipc::PayloadHome::kCuda)) {
@@ -356,14 +353,11 @@ Subscriber Subscriber::attach(std::string_view channel, std::chrono::millisecond
          kind == PayloadLocation::Kind::Host ? "in host memory" : "on a CUDA device", ", not ",
          *expected == PayloadLocation::Kind::Host ? "in host memory" : "on a CUDA device", " as asked");
   }
+  ipc::DeviceUuid device = control->device;  // one copy
+  auto where = payload_home == ipc::PayloadHome::kHost ? PayloadLocation::host()
+                                                       : PayloadLocation::cuda(ipc::device_ordinal(device));
   auto state = std::make_shared<detail::SubscriberState>(std::string(channel), std::move(*segment), slot_count,
-                                                         payload_home, incarnation);
-  if (payload_home == ipc::PayloadHome::kCuda) {
-    auto uuid = control->device;  // one copy
-    auto ordinal = ipc::device_ordinal(uuid);
-    state->location = PayloadLocation::cuda(ordinal);
-    state->release_events.emplace(ordinal, slot_count);
-  }
+                                                         payload_home, where, device);
   state->claim_record(max_consumers);
   TENSORBUCKET_TEST_HOOK(after_claim);
   // Claimed, with next_bucket 0, before choosing where to start: the producer cannot reuse
@@ -440,7 +434,7 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
         fail(ErrorCode::Torn, "the segment of slot ", s, " of channel ", Quoted{state.channel},
              " was truncated by another process while bucket ", bucket, " was read");
       }
-      if (mapping.imported) state.ready_on_device(mapping, options, stream, bucket);
+      if (mapping.imported) state.ready_on_device(mapping, view, options, stream, bucket);
       return ReceivedBucket(std::move(view), bucket, shared.publish_start_ns, shared.published_ns,
                             std::move(lease));
     }

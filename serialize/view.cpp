@@ -83,20 +83,23 @@ BucketView BucketView::open(std::span<const std::byte> frame, std::span<const st
     fail(ErrorCode::ChecksumMismatch, "payload hash 0x", std::hex, xxh3(payload),
          " does not match the header's 0x", header.payload_xxh3);
   }
+  std::optional<std::uint64_t> checksum;
+  if (header.flags & kPayloadChecksum) checksum = header.payload_xxh3;
   return BucketView(std::move(verified), payload, identity.version, identity.bucket_index,
-                    identity.bucket_count, location);
+                    identity.bucket_count, location, checksum);
 }
 
 BucketView::BucketView(std::shared_ptr<const detail::VerifiedManifest> verified,
                        std::span<const std::byte> payload, std::uint64_t version,
                        std::uint32_t bucket_index, std::uint32_t bucket_count,
-                       PayloadLocation location)
+                       PayloadLocation location, std::optional<std::uint64_t> payload_checksum)
     : verified_(std::move(verified)),
       payload_(payload),
       version_(version),
       bucket_index_(bucket_index),
       bucket_count_(bucket_count),
-      location_(location) {}
+      location_(location),
+      payload_checksum_(payload_checksum) {}
 
 const Manifest& BucketView::manifest() const noexcept {
   static const Manifest kEmpty;  // what a moved-from view shows

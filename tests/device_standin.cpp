@@ -15,6 +15,7 @@ namespace {
 
 constexpr int kInvalidValue = 1;     // CUDA_ERROR_INVALID_VALUE
 constexpr int kInvalidDevice = 101;  // CUDA_ERROR_INVALID_DEVICE
+constexpr int kInvalidContext = 201;  // CUDA_ERROR_INVALID_CONTEXT
 constexpr int kInvalidHandle = 400;  // CUDA_ERROR_INVALID_HANDLE
 constexpr std::uint32_t kMemoryMagic = 0x4D495354;  // what our memory handles start with
 constexpr std::uint32_t kEventMagic = 0x45495354;   // and our event handles
@@ -29,7 +30,7 @@ struct Event {
 
 std::mutex mutex;
 std::map<ipc::DeviceAddress, Mapping> mappings;
-std::vector<std::uint64_t> recorded_ids, waited_ids;
+std::vector<StandIn::Operation> operations_asked;
 std::uint64_t events_made = 0;
 
 bool injected(const char* call) {
@@ -97,6 +98,8 @@ int import_memory(ipc::DeviceAddress* address, std::uint64_t* bytes, const ipc::
   std::memcpy(fields, handle.bytes.data(), sizeof fields);
   std::memcpy(&fd, handle.bytes.data() + 8, sizeof(int));
   if (fields[0] != kMemoryMagic) return kInvalidHandle;
+  // As the driver: a process cannot import what it exported itself.
+  if (fields[1] == static_cast<std::uint32_t>(::getpid())) return kInvalidContext;
   auto path = "/proc/" + std::to_string(fields[1]) + "/fd/" + std::to_string(fd);
   int opened = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (opened < 0) return kInvalidHandle;
@@ -140,6 +143,7 @@ int export_event(ipc::DeviceHandle* handle, ipc::DeviceEvent event) {
 int import_event(ipc::DeviceEvent* event, const ipc::DeviceHandle& handle) {
   auto id = StandIn::event_id(handle);
   if (id == 0) return kInvalidHandle;
+  if (id >> 32 == static_cast<std::uint64_t>(::getpid())) return kInvalidContext;
   *event = new Event{id};
   ++StandIn::event_imports;
   return 0;
@@ -151,14 +155,15 @@ int destroy_event(ipc::DeviceEvent event) {
 }
 
 int record_event(ipc::DeviceEvent event, ipc::DeviceStream) {
+  if (injected("record_event")) return StandIn::kInjectedError;
   std::lock_guard lock(mutex);
-  recorded_ids.push_back(static_cast<Event*>(event)->id);
+  operations_asked.push_back({'r', static_cast<Event*>(event)->id});
   return 0;
 }
 
 int wait_event(ipc::DeviceStream, ipc::DeviceEvent event) {
   std::lock_guard lock(mutex);
-  waited_ids.push_back(static_cast<Event*>(event)->id);
+  operations_asked.push_back({'w', static_cast<Event*>(event)->id});
   return 0;
 }
 
@@ -169,6 +174,8 @@ int copy(const ipc::DeviceCopy* batch, std::size_t count, ipc::DeviceStream) {
   }
   ++StandIn::copy_calls;
   StandIn::copies += static_cast<int>(count);
+  std::lock_guard lock(mutex);
+  operations_asked.push_back({'c', count});
   return 0;
 }
 
@@ -179,12 +186,14 @@ int zero(ipc::DeviceAddress address, std::uint64_t bytes, ipc::DeviceStream) {
 
 int synchronize(ipc::DeviceStream) { return 0; }
 int synchronize_event(ipc::DeviceEvent) { return 0; }
+int synchronize_context() { return 0; }
 
 const char* error_name(int code) {
   switch (code) {
     case kInvalidValue: return "CUDA_ERROR_INVALID_VALUE";
     case kInvalidDevice: return "CUDA_ERROR_INVALID_DEVICE";
     case kInvalidHandle: return "CUDA_ERROR_INVALID_HANDLE";
+    case kInvalidContext: return "CUDA_ERROR_INVALID_CONTEXT";
     case StandIn::kInjectedError: return "STANDIN_INJECTED_ERROR";
     default: return "unknown";
   }
@@ -194,20 +203,28 @@ constexpr ipc::DeviceApi kStandIn{
     "the host stand-in", device_count, device_uuid,   enter,        leave,        allocate,
     release,            export_memory, import_memory, close_memory, create_event, export_event,
     import_event,       destroy_event, record_event,  wait_event,   copy,         zero,
-    synchronize,        synchronize_event, error_name,
+    synchronize,        synchronize_event, synchronize_context, error_name,
 };
 
 }  // namespace
 
-std::vector<std::uint64_t> StandIn::recorded() {
+std::vector<StandIn::Operation> StandIn::operations() {
   std::lock_guard lock(mutex);
-  return recorded_ids;
+  return operations_asked;
 }
 
-std::vector<std::uint64_t> StandIn::waited() {
-  std::lock_guard lock(mutex);
-  return waited_ids;
+namespace {
+std::vector<std::uint64_t> ids_of(char kind) {
+  std::vector<std::uint64_t> ids;
+  for (const auto& operation : StandIn::operations()) {
+    if (operation.kind == kind) ids.push_back(operation.value);
+  }
+  return ids;
 }
+}  // namespace
+
+std::vector<std::uint64_t> StandIn::recorded() { return ids_of('r'); }
+std::vector<std::uint64_t> StandIn::waited() { return ids_of('w'); }
 
 std::uint64_t StandIn::event_id(const ipc::DeviceHandle& handle) {
   std::uint32_t magic = 0;
@@ -226,8 +243,7 @@ void StandIn::reset_counts() {
   }
   fail_next = nullptr;
   std::lock_guard lock(mutex);
-  recorded_ids.clear();
-  waited_ids.clear();
+  operations_asked.clear();
 }
 
 }  // namespace tensorbucket::test

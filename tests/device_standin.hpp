@@ -2,6 +2,7 @@
 // path of a channel runs where there is no GPU: allocations are memfd's that another process
 // of ours imports through /proc/PID/fd, copies are memcpy, and streams run at once, so events
 // have nothing to wait for; they are counted instead, for tests that check who waits on what.
+// Like the driver, it refuses to import a process's own exports.
 #pragma once
 
 #include <atomic>
@@ -29,6 +30,13 @@ struct StandIn {
   // Event ids: what was recorded and what streams waited on, in order.
   static std::vector<std::uint64_t> recorded();
   static std::vector<std::uint64_t> waited();
+  // Every record ('r', event id), wait ('w', event id) and batch of copies ('c', copies), in
+  // the order they were asked for: what the stream order would be.
+  struct Operation {
+    char kind;
+    std::uint64_t value;
+  };
+  static std::vector<Operation> operations();
   // The id of the event an exported handle names (0 if it names none).
   static std::uint64_t event_id(const ipc::DeviceHandle& handle);
 

@@ -354,7 +354,8 @@ TEST_F(Cli, InspectShowsTheChannel) {
   auto text = json.out();
   for (const auto& expected :
        {"\"channel\":\"" + channel + "\"", std::string("\"slots\":2,\"max_consumers\":8,\"min_consumers\":1"),
-        "\"producer\":{\"pid\":" + pid + ",\"pid_elsewhere\":false,\"alive\":true}",
+        "\"producer\":{\"pid\":" + pid + ",\"incarnation\":", std::string(",\"pid_elsewhere\":false,\"alive\":true}"),
+        std::string("\"location\":\"host\""), std::string("\"epoch\":1,\"payload_capacity\":"),
         std::string("\"published\":1"), std::string("{\"slot\":0,\"generation\":2,\"bucket\":0,"),
         "\"consumers\":[{\"record\":0,\"pid\":" + pid + ",\"pid_elsewhere\":false,\"alive\":true,"
         "\"next_bucket\":1,\"held_slots\":1}]",
@@ -365,7 +366,10 @@ TEST_F(Cli, InspectShowsTheChannel) {
   Tbucket plain({"inspect", "--channel", channel});
   ASSERT_EQ(plain.finish(), 0);
   text = plain.out();
-  EXPECT_NE(text.find("producer   pid " + pid + ", alive, 1 buckets published"), std::string::npos) << text;
+  EXPECT_NE(text.find("producer   pid " + pid + ", incarnation "), std::string::npos) << text;
+  EXPECT_NE(text.find(", alive, 1 buckets published"), std::string::npos) << text;
+  EXPECT_NE(text.find("payloads   in host shared memory"), std::string::npos) << text;
+  EXPECT_NE(text.find("epoch 1, 4096 payload bytes"), std::string::npos) << text;
   EXPECT_NE(text.find("consumer   record 0: pid " + pid + ", alive, next bucket 1, leases 0x1"),
             std::string::npos) << text;
   EXPECT_EQ(run({"inspect", "--channel", channel + "-missing"}), 6);

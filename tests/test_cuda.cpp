@@ -30,6 +30,11 @@ static_assert(abi::kEventInterprocess == CU_EVENT_INTERPROCESS);
 static_assert(abi::kIpcMemLazyEnablePeerAccess == CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
 static_assert(abi::kMemcpySourceAccessOrderStream == CU_MEMCPY_SRC_ACCESS_ORDER_STREAM);
 static_assert(abi::kGetProcAddressLegacyStream == CU_GET_PROC_ADDRESS_LEGACY_STREAM);
+static_assert(abi::kStreamNonBlocking == CU_STREAM_NON_BLOCKING);
+
+TEST(Cuda, DeclaredDriverStreamHandlesMatchCudaH) {
+  EXPECT_EQ(reinterpret_cast<CUstream>(abi::kStreamLegacy), CU_STREAM_LEGACY);
+}
 
 TEST(Cuda, RuntimeAnswersWithoutADevice) {
   auto report = cuda::query_devices();

@@ -65,51 +65,76 @@ TEST_F(DeviceChannel, ForkedConsumerReceivesEveryByteOfEveryBucket) {
 
 TEST_F(DeviceChannel, SlotsAreImportedOncePerEpochAndClosedWhenReplaced) {
   auto publisher = Publisher::create(channel, on_device());
-  auto subscriber = Subscriber::attach(channel, 1s);
+  Child consumer([&] {
+    auto subscriber = Subscriber::attach(channel, 10s);
+    for (std::uint64_t i = 0; i < 10; ++i) {
+      if (!cli::check_bucket(next_bucket(subscriber).view(), 1, i).empty()) return 3;
+    }
+    if (StandIn::memory_imports != 2 || ipc::open_device_imports() != 2) return 4;
+    // Bucket 10 does not fit: its slot's new epoch is new memory, imported once more, and the
+    // import it replaced is closed, nothing holding it.
+    if (!cli::check_bucket(next_bucket(subscriber).view(), 1, 10).empty()) return 5;
+    if (StandIn::memory_imports != 3 || StandIn::memory_closes != 1 || ipc::open_device_imports() != 2) return 6;
+    return 0;
+  });
   for (std::uint64_t i = 0; i < 10; ++i) {
-    auto bucket = cli::make_bucket({.tensors = 4, .tensor_bytes = 1024}, i);
-    ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
-    next_bucket(subscriber);
+    ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 4, .tensor_bytes = 1024}, i).builder, 10s));
   }
-  EXPECT_EQ(StandIn::memory_imports, 2);
-  EXPECT_EQ(ipc::open_device_imports(), 2u);
-  // A bucket that does not fit takes its slot to a new epoch: new memory, imported once more,
-  // and the old import closed once nothing holds it.
-  auto large = cli::make_bucket({.tensors = 4, .tensor_bytes = 64 * 1024}, 10);
-  ASSERT_TRUE(publisher.publish(large.builder, 1s));
-  {
-    auto received = next_bucket(subscriber);
-    EXPECT_TRUE(cli::check_bucket(received.view(), 1, 10).empty());
-  }
-  EXPECT_EQ(StandIn::memory_imports, 3);
-  EXPECT_EQ(StandIn::memory_closes, 1);
-  EXPECT_EQ(ipc::open_device_imports(), 2u);
+  ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 4, .tensor_bytes = 64 * 1024}, 10).builder, 10s));
+  EXPECT_EQ(consumer.wait(), 0);
   EXPECT_EQ(inspect_channel(channel).slot_states[0].epoch, 2u);
 }
 
 TEST_F(DeviceChannel, SubscribersOfOneProducerInOneProcessShareTheImports) {
-  auto publisher = Publisher::create(channel, on_device());
-  auto first = Subscriber::attach(channel, 1s);
-  auto second = Subscriber::attach(channel, 1s);
-  auto bucket = cli::make_bucket({.tensors = 2}, 0);
-  ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
-  auto a = next_bucket(first);
-  auto b = next_bucket(second);
-  EXPECT_EQ(StandIn::memory_imports, 1);
-  EXPECT_EQ(a.view()[0].bytes.data(), b.view()[0].bytes.data());
+  auto publisher = Publisher::create(channel, {.min_consumers = 2, .location = PayloadLocation::cuda(0)});
+  Child consumers([&] {
+    auto first = Subscriber::attach(channel, 10s);
+    auto second = Subscriber::attach(channel, 10s);
+    auto a = next_bucket(first);
+    auto b = next_bucket(second);
+    if (a.view()[0].bytes.data() != b.view()[0].bytes.data()) return 3;
+    return StandIn::memory_imports == 1 ? 0 : 4;
+  });
+  ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 2}, 0).builder, 10s));
+  EXPECT_EQ(consumers.wait(), 0);
 }
 
 TEST_F(DeviceChannel, ANewProducerIsImportedAfresh) {
+  test::Signal next_round;
+  Child consumer([&] {
+    for (int round = 0; round < 2; ++round) {
+      if (next_round.receive() == 0) return 3;
+      auto subscriber = Subscriber::attach(channel, 10s);
+      if (!cli::check_bucket(next_bucket(subscriber).view(), 1, 0).empty()) return 4;
+    }
+    // Each producer's memory imported once, and closed with the last subscriber of it.
+    return StandIn::memory_imports == 2 && StandIn::memory_closes == 2 ? 0 : 5;
+  });
   auto bucket = cli::make_bucket({.tensors = 2}, 0);
   for (int round = 0; round < 2; ++round) {
     auto publisher = Publisher::create(channel, on_device());
-    auto subscriber = Subscriber::attach(channel, 1s);
-    ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
-    auto received = next_bucket(subscriber);
-    EXPECT_TRUE(cli::check_bucket(received.view(), 1, 0).empty());
+    next_round.send();
+    ASSERT_TRUE(publisher.publish(bucket.builder, 10s));
+    ASSERT_TRUE(publisher.drain(10s));
   }
-  EXPECT_EQ(StandIn::memory_imports, 2);
-  EXPECT_EQ(StandIn::memory_closes, 2);
+  EXPECT_EQ(consumer.wait(), 0);
+}
+
+TEST_F(DeviceChannel, AConsumerInTheProducersProcessUsesItsMemoryAndEvents) {
+  // The driver imports nothing a process exported itself: the consumer takes the producer's
+  // own memory and events, and the producer the consumer's.
+  auto publisher = Publisher::create(channel, on_device());
+  auto subscriber = Subscriber::attach(channel, 1s);
+  for (std::uint64_t i = 0; i < 4; ++i) {
+    ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 3}, i).builder, 1s));
+    EXPECT_TRUE(cli::check_bucket(next_bucket(subscriber).view(), 1, i).empty());
+  }
+  EXPECT_EQ(StandIn::memory_imports, 0);
+  EXPECT_EQ(StandIn::event_imports, 0);
+  EXPECT_EQ(ipc::open_device_imports(), 2u);
+  test::Tampering control(test::control_name(channel));
+  auto release = StandIn::event_id(control.control().release_events[0].slots[0]);
+  EXPECT_TRUE(contains(StandIn::waited(), release));
 }
 
 TEST_F(DeviceChannel, ConsumerStreamWaitsOnTheReadyEventTheProducerRecorded) {
@@ -120,8 +145,14 @@ TEST_F(DeviceChannel, ConsumerStreamWaitsOnTheReadyEventTheProducerRecorded) {
   test::Tampering control(test::control_name(channel));
   auto ready = StandIn::event_id(control.control().device_slots[0].ready_event);
   ASSERT_NE(ready, 0u);
-  EXPECT_TRUE(contains(StandIn::recorded(), ready));
-  EXPECT_FALSE(contains(StandIn::waited(), ready));
+  // Recorded after the bucket's copy (itself after the wait on the consumer's release event),
+  // before it was published.
+  auto operations = StandIn::operations();
+  ASSERT_EQ(operations.size(), 3u);
+  EXPECT_EQ(operations[0].kind, 'w');
+  EXPECT_EQ(operations[1].kind, 'c');
+  EXPECT_EQ(operations[2].kind, 'r');
+  EXPECT_EQ(operations[2].value, ready);
   auto received = next_bucket(subscriber);
   EXPECT_TRUE(contains(StandIn::waited(), ready));
 }
@@ -138,7 +169,19 @@ TEST_F(DeviceChannel, ProducerWaitsOnTheConsumersReleaseEventBeforeRewritingTheS
   EXPECT_FALSE(contains(StandIn::waited(), release));
   ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 2}, 1).builder, 1s));  // slot 1
   ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 2}, 2).builder, 1s));  // slot 0 again
-  EXPECT_TRUE(contains(StandIn::waited(), release));
+  // In stream order: the release recorded, then waited on, then bucket 2 copied over it.
+  auto operations = StandIn::operations();
+  auto at = [&](char kind, std::uint64_t value, std::size_t from) {
+    for (auto i = from; i < operations.size(); ++i) {
+      if (operations[i].kind == kind && (kind == 'c' || operations[i].value == value)) return i;
+    }
+    return operations.size();
+  };
+  auto recorded = at('r', release, 0);
+  auto waited = at('w', release, recorded);
+  ASSERT_LT(waited, operations.size());
+  EXPECT_LT(at('c', 0, waited), operations.size());
+  EXPECT_EQ(at('c', 0, at('c', 0, 0) + 1), at('c', 0, recorded));  // bucket 1's copy came between
 }
 
 TEST_F(DeviceChannel, ConsumerMapsTheDeviceByUuidToItsOwnOrdinal) {
@@ -193,24 +236,41 @@ TEST_F(DeviceChannel, ProducerOnADeviceItCannotSeeCreatesNothing) {
   EXPECT_EQ(segments_of(channel), std::vector<std::string>{});
 }
 
-TEST_F(DeviceChannel, FailedDriverCallsNameTheCallAndPublishNothing) {
-  auto publisher = Publisher::create(channel, on_device());
+TEST_F(DeviceChannel, FailedDriverCallsNameTheCallPublishNothingAndLeaveTheSlotUsable) {
+  auto publisher = Publisher::create(channel, {.slots = 1, .location = PayloadLocation::cuda(0)});
   auto subscriber = Subscriber::attach(channel, 1s);
-  StandIn::fail_next = "copy";
   auto bucket = cli::make_bucket({.tensors = 2}, 0);
-  auto message = expect_error(ErrorCode::CudaFailed, [&] { publisher.publish(bucket.builder, 1s); });
-  EXPECT_NE(message.find("cuMemcpyBatchAsync failed in the host stand-in: STANDIN_INJECTED_ERROR"),
-            std::string::npos)
-      << message;
-  EXPECT_EQ(publisher.published(), 0u);
-  EXPECT_FALSE(subscriber.try_next().has_value());
-  // The next publish goes through, and the consumer's import failing is an error for that
-  // bucket alone.
+  for (const char* call : {"copy", "record_event"}) {
+    StandIn::fail_next = call;
+    auto message = expect_error(ErrorCode::CudaFailed, [&] { publisher.publish(bucket.builder, 1s); });
+    EXPECT_NE(message.find("failed in the host stand-in: STANDIN_INJECTED_ERROR"), std::string::npos) << message;
+    EXPECT_EQ(publisher.published(), 0u);
+    EXPECT_FALSE(subscriber.try_next().has_value());
+  }
+  // The one slot was left empty, not stuck half-written: the next publish goes through.
   ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
-  StandIn::fail_next = "import_memory";
-  expect_error(ErrorCode::CudaFailed, [&] { subscriber.next(1s); });
-  ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
-  EXPECT_EQ(next_bucket(subscriber).sequence(), 1u);
+  EXPECT_TRUE(cli::check_bucket(next_bucket(subscriber).view(), 1, 0).empty());
+}
+
+TEST_F(DeviceChannel, AFailedImportIsAnErrorForThatBucketAlone) {
+  auto publisher = Publisher::create(channel, on_device());
+  Child consumer([&] {
+    auto subscriber = Subscriber::attach(channel, 10s);
+    StandIn::fail_next = "import_memory";
+    try {
+      subscriber.next(10s);
+      return 3;
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::CudaFailed || std::string(e.what()).find("cuIpcOpenMemHandle") == std::string::npos) {
+        return 4;
+      }
+    }
+    return next_bucket(subscriber).sequence() == 1 ? 0 : 5;
+  });
+  auto bucket = cli::make_bucket({.tensors = 2}, 0);
+  ASSERT_TRUE(publisher.publish(bucket.builder, 10s));
+  ASSERT_TRUE(publisher.publish(bucket.builder, 10s));
+  EXPECT_EQ(consumer.wait(), 0);
 }
 
 TEST_F(DeviceChannel, PayloadChecksumIsCheckedBeforeTheBucketIsHandedOut) {
@@ -252,7 +312,12 @@ TEST_F(DeviceChannel, ScribbledReleaseEventsLeaveTheProducerPublishing) {
     ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 2}, i).builder, 1s));
     EXPECT_TRUE(cli::check_bucket(next_bucket(subscriber).view(), 1, i).empty());
   }
-  EXPECT_EQ(StandIn::event_imports, 2);  // the consumer's, of the two slots' ready events: none of the producer's
+  // Nothing waited on but the slots' ready events (the consumer's own, in this process).
+  test::Tampering check(test::control_name(channel));
+  for (auto id : StandIn::waited()) {
+    EXPECT_TRUE(id == StandIn::event_id(check.control().device_slots[0].ready_event) ||
+                id == StandIn::event_id(check.control().device_slots[1].ready_event));
+  }
 }
 
 TEST_F(DeviceChannel, AScribbledMemoryHandleCostsThatBucketOnly) {

@@ -29,7 +29,7 @@ void print_json(const ChannelInfo& info) {
       << ",\"min_consumers\":" << info.min_consumers
       << ",\"payload_checksum\":" << (info.payload_checksum ? "true" : "false")
       << ",\"location\":\"" << info.location << "\""
-      << ",\"producer\":{\"pid\":" << info.producer_pid
+      << ",\"producer\":{\"pid\":" << info.producer_pid << ",\"incarnation\":" << info.producer_incarnation
       << ",\"pid_elsewhere\":" << (info.producer_pid_elsewhere ? "true" : "false")
       << ",\"alive\":" << (info.producer_alive ? "true" : "false") << "},\"closed\":"
       << (info.closed ? "true" : "false") << ",\"published\":" << info.published
@@ -81,8 +81,9 @@ void print_text(const ChannelInfo& info) {
   std::printf("  config     %u slots, up to %u consumers, min_consumers %u, payload checksums %s\n",
               info.slots, info.max_consumers, info.min_consumers, info.payload_checksum ? "on" : "off");
   std::printf("  payloads   %s\n", info.location == "host" ? "in host shared memory" : ("on " + info.location).c_str());
-  std::printf("  producer   pid %d%s, %s%s, %llu buckets published\n", info.producer_pid,
-              info.producer_pid_elsewhere ? kElsewhere : "", info.producer_alive ? "alive" : "gone",
+  std::printf("  producer   pid %d%s, incarnation %016llx, %s%s, %llu buckets published\n", info.producer_pid,
+              info.producer_pid_elsewhere ? kElsewhere : "",
+              static_cast<unsigned long long>(info.producer_incarnation), info.producer_alive ? "alive" : "gone",
               info.closed ? ", closed" : "",
               static_cast<unsigned long long>(info.published));
   for (std::size_t s = 0; s < info.slot_states.size(); ++s) {

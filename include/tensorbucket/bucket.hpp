@@ -190,6 +190,11 @@ class BucketView {
   // Where the payload, and so every entry's bytes, lives.
   PayloadLocation location() const noexcept { return location_; }
 
+  // The payload as the verified header declares it: its bytes, and its hash when the header
+  // carries one (for the checks of a payload open() does not read).
+  std::span<const std::byte> payload() const noexcept { return payload_; }
+  std::optional<std::uint64_t> payload_checksum() const noexcept { return payload_checksum_; }
+
   // This bucket's identity, from its manifest.
   std::uint64_t version() const noexcept { return version_; }
   std::uint32_t bucket_index() const noexcept { return bucket_index_; }
@@ -209,7 +214,8 @@ class BucketView {
  private:
   BucketView(std::shared_ptr<const detail::VerifiedManifest> verified,
              std::span<const std::byte> payload, std::uint64_t version,
-             std::uint32_t bucket_index, std::uint32_t bucket_count, PayloadLocation location);
+             std::uint32_t bucket_index, std::uint32_t bucket_count, PayloadLocation location,
+             std::optional<std::uint64_t> payload_checksum);
 
   std::shared_ptr<const detail::VerifiedManifest> verified_;
   std::span<const std::byte> payload_;
@@ -217,6 +223,7 @@ class BucketView {
   std::uint32_t bucket_index_ = 0;
   std::uint32_t bucket_count_ = 1;
   PayloadLocation location_;
+  std::optional<std::uint64_t> payload_checksum_;
 };
 
 }  // namespace tensorbucket

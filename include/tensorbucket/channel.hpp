@@ -246,6 +246,7 @@ struct ChannelInfo {
   bool payload_checksum;
   std::string location;                    // "host", or "cuda GPU-<uuid>"
   std::int32_t producer_pid;
+  std::uint64_t producer_incarnation;      // random, new for each producer of the name
   bool producer_pid_elsewhere;
   bool producer_alive;
   bool closed;

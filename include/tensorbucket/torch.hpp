@@ -101,7 +101,9 @@ void load_into(const NamedTensors& targets, const NamedTensors& tensors);
 // of many small tensors): `load_into(module, received.view())`. The bucket must stay open
 // during the call. From a CUDA bucket, the targets on its device are written by one batched
 // copy queued on `stream` (the one the bucket was received on: release it on the same stream),
-// the others by copy_ on torch's current stream.
+// the others by copy_ on torch's current stream: pass torch's current stream as `stream` (as
+// the Python module does) for both to be ordered with the bucket. The same for a non-contiguous
+// tensor in publish_in_place().
 void load_into(torch::nn::Module& module, const BucketView& bucket, CudaStream stream = nullptr);
 void load_into(const NamedTensors& targets, const BucketView& bucket, CudaStream stream = nullptr);
 
