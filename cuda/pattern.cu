@@ -61,6 +61,12 @@ bool fill_pattern(void* device_memory, std::size_t bytes, std::uint64_t seed, vo
   return ok(cudaGetLastError(), "write_pattern", error);
 }
 
+bool copy_to_host(void* host, const void* device_memory, std::size_t bytes, void* stream, std::string& error) {
+  auto on = static_cast<cudaStream_t>(stream);
+  return ok(cudaMemcpyAsync(host, device_memory, bytes, cudaMemcpyDeviceToHost, on), "cudaMemcpyAsync", error) &&
+         ok(cudaStreamSynchronize(on), "cudaStreamSynchronize", error);
+}
+
 std::int64_t count_mismatches(const void* device_memory, std::size_t bytes, std::uint64_t seed, void* stream,
                               std::string& error) {
   auto on = static_cast<cudaStream_t>(stream);

@@ -11,9 +11,11 @@
 
 #include <map>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "cuda_driver.hpp"
+#include "serialize/block_hash.hpp"
 #include "serialize/text.hpp"
 
 namespace tensorbucket::ipc::cuda {
@@ -50,6 +52,11 @@ struct Driver {
   CUresult (*synchronize_context)();
   CUresult (*current_context)(CUcontext* context);
   CUresult (*create_stream)(CUstream* stream, unsigned flags);
+  CUresult (*load_module)(CUmodule* module, const void* image);
+  CUresult (*get_function)(CUfunction* function, CUmodule module, const char* name);
+  CUresult (*launch)(CUfunction function, unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block_x,
+                     unsigned block_y, unsigned block_z, unsigned shared_bytes, CUstream stream, void** parameters,
+                     void** extra);
   CUresult (*error_name)(CUresult code, const char** name);
 };
 
@@ -210,6 +217,41 @@ int synchronize(DeviceStream stream) { return driver.synchronize(static_cast<CUs
 int synchronize_event(DeviceEvent event) { return driver.synchronize_event(static_cast<CUevent>(event)); }
 int synchronize_context() { return driver.synchronize_context(); }
 
+// The kernel, loaded once per context (the PTX is compiled for the device then). A driver
+// older than the nvcc that made the PTX cannot compile it: then the hash is taken on a host
+// copy, as in a build without the kernel.
+std::mutex kernels_mutex;
+std::map<CUcontext, std::optional<CUfunction>> block_hash_kernels;
+
+int hash_blocks(DeviceAddress payload, std::uint64_t bytes, DeviceAddress hashes, DeviceStream stream) {
+  if (kBlockHashPtx == nullptr) return kDeviceNotSupported;
+  CUfunction kernel = nullptr;
+  {
+    std::lock_guard lock(kernels_mutex);
+    CUcontext context = nullptr;
+    if (auto code = driver.current_context(&context)) return code;
+    auto& known = block_hash_kernels[context];
+    if (!known) {
+      CUmodule module = nullptr;
+      CUfunction loaded = nullptr;
+      if (driver.load_module(&module, kBlockHashPtx) == 0 &&
+          driver.get_function(&loaded, module, "tensorbucket_block_hashes") == 0) {
+        known = loaded;
+      } else {
+        known = nullptr;
+      }
+    }
+    if (*known == nullptr) return kDeviceNotSupported;
+    kernel = *known;
+  }
+  constexpr unsigned kThreads = 256;  // eight warps, a block of the payload each
+  auto warps = (bytes + block_hash::kHashBlockBytes - 1) / block_hash::kHashBlockBytes;
+  auto grid = static_cast<unsigned>((warps * block_hash::kHashLanes + kThreads - 1) / kThreads);
+  unsigned long long payload_arg = payload, bytes_arg = bytes, hashes_arg = hashes;
+  void* parameters[] = {&payload_arg, &bytes_arg, &hashes_arg};
+  return driver.launch(kernel, grid, 1, 1, kThreads, 1, 1, 0, static_cast<CUstream>(stream), parameters, nullptr);
+}
+
 const char* error_name(int code) {
   const char* name = nullptr;
   if (driver.error_name == nullptr || driver.error_name(code, &name) != 0 || name == nullptr) return "unknown";
@@ -220,7 +262,7 @@ constexpr DeviceApi kDriverApi{
     "the CUDA driver", device_count, device_uuid, enter,          leave,         allocate,
     release,           export_memory, import_memory, close_memory, create_event, export_event,
     import_event,      destroy_event, record_event, wait_event,    copy,          zero,
-    synchronize,       synchronize_event, synchronize_context, error_name,
+    synchronize,       synchronize_event, synchronize_context, hash_blocks, error_name,
 };
 
 const DeviceApi* load() {
@@ -279,6 +321,9 @@ const DeviceApi* load() {
   resolve(driver.synchronize_context, "cuCtxSynchronize", 12000);
   resolve(driver.current_context, "cuCtxGetCurrent", 12000);
   resolve(driver.create_stream, "cuStreamCreate", 12000);
+  resolve(driver.load_module, "cuModuleLoadData", 12000);
+  resolve(driver.get_function, "cuModuleGetFunction", 12000);
+  resolve(driver.launch, "cuLaunchKernel", 12000);
   return &kDriverApi;
 }
 

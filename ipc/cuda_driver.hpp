@@ -16,6 +16,8 @@ using CUdeviceptr = unsigned long long;
 using CUcontext = struct CUctx_st*;
 using CUstream = struct CUstream_st*;
 using CUevent = struct CUevent_st*;
+using CUmodule = struct CUmod_st*;
+using CUfunction = struct CUfunc_st*;
 struct CUuuid {
   char bytes[16];
 };
@@ -44,6 +46,9 @@ inline constexpr int kMemcpySourceAccessOrderStream = 0x1;     // CU_MEMCPY_SRC_
 inline constexpr std::uint64_t kGetProcAddressLegacyStream = 1;  // CU_GET_PROC_ADDRESS_LEGACY_STREAM
 inline constexpr std::uintptr_t kStreamLegacy = 0x1;            // CU_STREAM_LEGACY
 inline constexpr unsigned kStreamNonBlocking = 0x1;              // CU_STREAM_NON_BLOCKING
+
+// The block-hash kernel's PTX (block_hash.cu), or null in a build without nvcc.
+extern const char* const kBlockHashPtx;
 
 // The driver's table, loaded on first call; CudaUnavailable when it cannot be.
 const DeviceApi& driver_api();

@@ -8,6 +8,7 @@
 
 #include "cuda_driver.hpp"
 #include "process.hpp"
+#include "serialize/block_hash.hpp"
 #include "serialize/text.hpp"
 
 namespace tensorbucket::ipc {
@@ -15,6 +16,7 @@ namespace tensorbucket::ipc {
 namespace {
 
 std::atomic<const DeviceApi*> stand_in{nullptr};
+std::atomic<std::uint64_t> hashes_on_host{0};
 
 struct EventPool {
   std::mutex mutex;
@@ -127,6 +129,31 @@ DeviceEvent own_event(const DeviceHandle& handle) noexcept {
   if (pool.owner.forked()) return nullptr;
   auto found = pool.made.find(handle.bytes);
   return found == pool.made.end() ? nullptr : found->second;
+}
+
+std::uint64_t device_block_hashes_on_host() { return hashes_on_host.load(); }
+
+std::uint64_t device_block_hash(DeviceAddress payload, std::uint64_t bytes, DeviceStream stream) {
+  const auto& api = device_api();
+  std::vector<std::uint64_t> hashes(block_hash::blocks_in(bytes));
+  if (hashes.empty()) return block_hash::combine(hashes);
+  DeviceAddress on_device = 0;
+  check_device(api.allocate(&on_device, hashes.size() * sizeof(std::uint64_t)), "cuMemAlloc");
+  auto code = api.hash_blocks(payload, bytes, on_device, stream);
+  if (code == 0) {
+    DeviceCopy back{reinterpret_cast<DeviceAddress>(hashes.data()), on_device, hashes.size() * sizeof(std::uint64_t)};
+    code = api.copy(&back, 1, stream);
+    if (code == 0) code = api.synchronize(stream);
+  }
+  api.release(on_device);
+  if (code == 0) return block_hash::combine(hashes);
+  if (code != kDeviceNotSupported) check_device(code, "tensorbucket_block_hashes");
+  ++hashes_on_host;
+  std::vector<std::byte> copy(bytes);
+  DeviceCopy back{reinterpret_cast<DeviceAddress>(copy.data()), payload, bytes};
+  check_device(api.copy(&back, 1, stream), "cuMemcpyAsync");
+  check_device(api.synchronize(stream), "cuStreamSynchronize");
+  return block_hash::hash_of(copy);
 }
 
 DeviceScope::DeviceScope(int ordinal) { check_device(device_api().enter(ordinal), "cuCtxPushCurrent"); }

@@ -15,6 +15,7 @@
 namespace tensorbucket::ipc {
 
 inline constexpr std::size_t kDeviceHandleBytes = 64;  // CU_IPC_HANDLE_SIZE
+inline constexpr int kDeviceNotSupported = 801;        // CUDA_ERROR_NOT_SUPPORTED
 
 // An exported memory or event handle, as the driver writes it: opaque bytes.
 struct DeviceHandle {
@@ -57,6 +58,9 @@ struct DeviceApi {
   int (*synchronize)(DeviceStream stream);
   int (*synchronize_event)(DeviceEvent event);
   int (*synchronize_context)();  // the current context: all its streams
+  // The block hash (serialize/block_hash.hpp) of each block of the `bytes` at `payload`, into
+  // `hashes` (device memory), on `stream`; kDeviceNotSupported where no kernel is built in.
+  int (*hash_blocks)(DeviceAddress payload, std::uint64_t bytes, DeviceAddress hashes, DeviceStream stream);
   const char* (*error_name)(int code);
 };
 
@@ -92,6 +96,13 @@ void give_back_event(int ordinal, const PooledEvent& event) noexcept;
 // This process's own event with `handle`, or null. The driver does not import a process's own
 // exports, so a producer and a consumer in one process use the event itself.
 DeviceEvent own_event(const DeviceHandle& handle) noexcept;
+
+// The block hash of the `bytes` of device memory at `payload`, after the work queued on
+// `stream`, waiting for it: on the GPU where the kernel is built in, else of a copy brought
+// back. The device's context must be current.
+std::uint64_t device_block_hash(DeviceAddress payload, std::uint64_t bytes, DeviceStream stream);
+// How many of those were taken on a host copy, for tests.
+std::uint64_t device_block_hashes_on_host();
 
 // The device's context current on this thread while it lives; the caller's afterwards.
 class DeviceScope {

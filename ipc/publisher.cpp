@@ -288,16 +288,12 @@ struct detail::PublisherState {
     slots[s].frame_encoding = encoding_id;
   }
 
-  // The payload's hash: on a device, of a copy brought back (the one check that synchronizes).
+  // The payload's hash: on a device, its block hash, computed there (the one check that
+  // waits for the device).
   std::uint64_t payload_hash(const ipc::SlotStorage& storage, std::uint64_t payload_bytes) {
     if (!storage.on_device()) return xxh3({storage.payload(), payload_bytes});
-    std::vector<std::byte> copy(payload_bytes);
-    ipc::DeviceCopy back{reinterpret_cast<ipc::DeviceAddress>(copy.data()),
-                         reinterpret_cast<ipc::DeviceAddress>(storage.payload()), payload_bytes};
-    const auto& api = ipc::device_api();
-    ipc::check_device(api.copy(&back, 1, stream), "cuMemcpyAsync");
-    ipc::check_device(api.synchronize(stream), "cuStreamSynchronize");
-    return xxh3(copy);
+    header.flags |= kPayloadBlockHash;
+    return ipc::device_block_hash(reinterpret_cast<ipc::DeviceAddress>(storage.payload()), payload_bytes, stream);
   }
 
   // Writes the header and publishes the claimed slot: the bucket's bytes are in place (on a

@@ -216,9 +216,9 @@ struct detail::SubscriberState {
     }
   }
 
-  // A verified device bucket made usable on `stream`: its payload hash checked first when
-  // asked (on a copy brought back: the one host wait of a consumer's next()), then the stream
-  // made to wait for the producer's writing of it.
+  // A verified device bucket made usable on `stream`: the stream made to wait for the
+  // producer's writing of it, then its payload hash checked when asked (on the device: the one
+  // host wait of a consumer's next()).
   // What is checked is the header `view` verified, never the frame again: a peer may have
   // changed it since.
   void ready_on_device(const ipc::SlotMapping& mapping, const BucketView& view, const VerifyOptions& options,
@@ -228,15 +228,15 @@ struct detail::SubscriberState {
     ipc::check_device(api.wait_event(stream, mapping.ready), "cuStreamWaitEvent");
     auto expected = view.payload_checksum();
     if (!expected || !options.check_payload_checksum) return;
-    std::vector<std::byte> copy(view.payload().size());  // within the imported block: open() checked
-    ipc::DeviceCopy back{reinterpret_cast<ipc::DeviceAddress>(copy.data()),
-                         reinterpret_cast<ipc::DeviceAddress>(view.payload().data()), copy.size()};
-    ipc::check_device(api.copy(&back, 1, stream), "cuMemcpyAsync");
-    ipc::check_device(api.synchronize(stream), "cuStreamSynchronize");
-    auto hash = xxh3(copy);
-    if (hash != *expected) {
+    if (!expected->block_hash) {
+      fail(ErrorCode::HeaderCorrupt, "bucket ", bucket, " on a device carries an xxh3-64 payload hash, not the block hash");
+    }
+    // Within the imported block: open() checked the payload's size against it.
+    auto payload = view.payload();
+    auto hash = ipc::device_block_hash(reinterpret_cast<ipc::DeviceAddress>(payload.data()), payload.size(), stream);
+    if (hash != expected->value) {
       fail(ErrorCode::ChecksumMismatch, "payload hash 0x", std::hex, hash, " of bucket ", std::dec, bucket,
-           " does not match the header's 0x", std::hex, *expected);
+           " does not match the header's 0x", std::hex, expected->value);
     }
   }
 

@@ -69,6 +69,9 @@ BucketHeader read_header(std::span<const std::byte> frame) {
   if (!(header.flags & kPayloadChecksum) && header.payload_xxh3 != 0) {
     fail(ErrorCode::HeaderCorrupt, "header has a payload hash but no payload checksum flag");
   }
+  if ((header.flags & kPayloadBlockHash) && !(header.flags & kPayloadChecksum)) {
+    fail(ErrorCode::HeaderCorrupt, "header names the block hash but has no payload checksum flag");
+  }
   if (std::any_of(std::begin(header.reserved), std::end(header.reserved),
                   [](std::uint8_t b) { return b != 0; })) {
     fail(ErrorCode::HeaderCorrupt, "header has non-zero reserved bytes");

@@ -3,6 +3,7 @@
 // matches, and the payload is hashed only after the manifest proved it fits.
 #include <cstring>
 
+#include "block_hash.hpp"
 #include "identity.hpp"
 #include "tensorbucket/bucket.hpp"
 #include "text.hpp"
@@ -78,13 +79,15 @@ BucketView BucketView::open(std::span<const std::byte> frame, std::span<const st
   auto identity = detail::read_identity(encoded);
   detail::check_identity(identity);
   if (options.expected != nullptr) check_expected(verified->manifest, *options.expected);
-  if ((header.flags & kPayloadChecksum) && options.check_payload_checksum && location.on_host() &&
-      xxh3(payload) != header.payload_xxh3) {
-    fail(ErrorCode::ChecksumMismatch, "payload hash 0x", std::hex, xxh3(payload),
-         " does not match the header's 0x", header.payload_xxh3);
+  if ((header.flags & kPayloadChecksum) && options.check_payload_checksum && location.on_host()) {
+    auto hash = (header.flags & kPayloadBlockHash) ? block_hash::hash_of(payload) : xxh3(payload);
+    if (hash != header.payload_xxh3) {
+      fail(ErrorCode::ChecksumMismatch, "payload hash 0x", std::hex, hash, " does not match the header's 0x",
+           header.payload_xxh3);
+    }
   }
-  std::optional<std::uint64_t> checksum;
-  if (header.flags & kPayloadChecksum) checksum = header.payload_xxh3;
+  std::optional<PayloadChecksum> checksum;
+  if (header.flags & kPayloadChecksum) checksum = {header.payload_xxh3, (header.flags & kPayloadBlockHash) != 0};
   return BucketView(std::move(verified), payload, identity.version, identity.bucket_index,
                     identity.bucket_count, location, checksum);
 }
@@ -92,7 +95,7 @@ BucketView BucketView::open(std::span<const std::byte> frame, std::span<const st
 BucketView::BucketView(std::shared_ptr<const detail::VerifiedManifest> verified,
                        std::span<const std::byte> payload, std::uint64_t version,
                        std::uint32_t bucket_index, std::uint32_t bucket_count,
-                       PayloadLocation location, std::optional<std::uint64_t> payload_checksum)
+                       PayloadLocation location, std::optional<PayloadChecksum> payload_checksum)
     : verified_(std::move(verified)),
       payload_(payload),
       version_(version),

@@ -5,9 +5,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <string>
+
+#include "serialize/block_hash.hpp"
 
 namespace tensorbucket::test {
 
@@ -188,6 +191,17 @@ int synchronize(ipc::DeviceStream) { return 0; }
 int synchronize_event(ipc::DeviceEvent) { return 0; }
 int synchronize_context() { return 0; }
 
+int hash_blocks(ipc::DeviceAddress payload, std::uint64_t bytes, ipc::DeviceAddress hashes, ipc::DeviceStream) {
+  const auto* data = reinterpret_cast<const std::byte*>(payload);
+  auto* out = reinterpret_cast<std::uint64_t*>(hashes);
+  for (std::uint64_t b = 0; b < block_hash::blocks_in(bytes); ++b) {
+    auto start = b * block_hash::kHashBlockBytes;
+    out[b] = block_hash::hash_of_block({data + start, std::min(block_hash::kHashBlockBytes, bytes - start)}, b);
+  }
+  ++StandIn::kernel_launches;
+  return 0;
+}
+
 const char* error_name(int code) {
   switch (code) {
     case kInvalidValue: return "CUDA_ERROR_INVALID_VALUE";
@@ -203,7 +217,7 @@ constexpr ipc::DeviceApi kStandIn{
     "the host stand-in", device_count, device_uuid,   enter,        leave,        allocate,
     release,            export_memory, import_memory, close_memory, create_event, export_event,
     import_event,       destroy_event, record_event,  wait_event,   copy,         zero,
-    synchronize,        synchronize_event, synchronize_context, error_name,
+    synchronize,        synchronize_event, synchronize_context, hash_blocks, error_name,
 };
 
 }  // namespace
@@ -238,7 +252,8 @@ void StandIn::install() { ipc::install_device_api(&kStandIn); }
 void StandIn::uninstall() { ipc::install_device_api(nullptr); }
 
 void StandIn::reset_counts() {
-  for (auto* count : {&memory_imports, &memory_closes, &allocations, &frees, &event_imports, &copy_calls, &copies}) {
+  for (auto* count : {&memory_imports, &memory_closes, &allocations, &frees, &event_imports, &copy_calls, &copies,
+                      &kernel_launches}) {
     *count = 0;
   }
   fail_next = nullptr;

@@ -22,7 +22,7 @@ struct StandIn {
 
   // What this process asked of it.
   static inline std::atomic<int> memory_imports{0}, memory_closes{0}, allocations{0}, frees{0};
-  static inline std::atomic<int> event_imports{0}, copy_calls{0}, copies{0};
+  static inline std::atomic<int> event_imports{0}, copy_calls{0}, copies{0}, kernel_launches{0};
   // The next call of this name fails with kInjectedError, once (e.g. "import_memory").
   static inline const char* fail_next = nullptr;
   static constexpr int kInjectedError = 999;

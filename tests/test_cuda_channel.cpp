@@ -16,6 +16,7 @@
 #include "channel_support.hpp"
 #include "ipc/slot_storage.hpp"
 #include "pattern.hpp"
+#include "serialize/block_hash.hpp"
 
 namespace tensorbucket {
 namespace {
@@ -112,6 +113,38 @@ int consume(const std::string& channel, std::uint64_t buckets, std::uint64_t imp
 }
 
 class CudaChannel : public test::ChannelTest {};
+
+// The kernel's block hash (ipc/block_hash.cu, loaded from the library's PTX) against the
+// host's (serialize/block_hash.cpp) of the same bytes, at sizes around the block and word
+// boundaries.
+TEST(CudaBlockHash, TheKernelHashesAsTheHostDoes) {
+  SKIP_WITHOUT_GPU();
+  Child checker([] {
+    std::string error;
+    if (!cuda::select_device(0, error)) return 10;
+    auto* stream = cuda::make_stream(error);
+    for (std::uint64_t bytes : {std::uint64_t{1}, std::uint64_t{8}, std::uint64_t{65536}, std::uint64_t{65537},
+                                std::uint64_t{3 * 65536 + 13}, std::uint64_t{(64 << 20) + 5}}) {
+      auto* memory = cuda::allocate(bytes, error);
+      if (!memory || !cuda::fill_pattern(memory, bytes, bytes, stream, error)) return 11;
+      std::uint64_t on_gpu = 0;
+      {
+        ipc::DeviceScope scope(0);
+        on_gpu = ipc::device_block_hash(reinterpret_cast<ipc::DeviceAddress>(memory), bytes, stream);
+      }
+      std::vector<std::byte> copy(bytes);
+      if (!cuda::copy_to_host(copy.data(), memory, bytes, stream, error)) return 12;
+      if (on_gpu != block_hash::hash_of(copy)) {
+        std::fprintf(stderr, "%llu bytes: the kernel says %llx, the host %llx\n", static_cast<unsigned long long>(bytes),
+                     static_cast<unsigned long long>(on_gpu), static_cast<unsigned long long>(block_hash::hash_of(copy)));
+        return 13;
+      }
+      cuda::release(memory);
+    }
+    return ipc::device_block_hashes_on_host() == 0 ? 0 : 14;  // the kernel ran, every time
+  });
+  EXPECT_EQ(checker.wait(120s), 0);
+}
 
 TEST_F(CudaChannel, TwoProcessesExchange200DeviceBucketsWithCachedHandles) {
   SKIP_WITHOUT_GPU();

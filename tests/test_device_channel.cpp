@@ -12,6 +12,7 @@
 #include "channel_support.hpp"
 #include "device_standin.hpp"
 #include "ipc/slot_storage.hpp"
+#include "serialize/block_hash.hpp"
 #include "support.hpp"
 
 namespace tensorbucket {
@@ -273,22 +274,31 @@ TEST_F(DeviceChannel, AFailedImportIsAnErrorForThatBucketAlone) {
   EXPECT_EQ(consumer.wait(), 0);
 }
 
-TEST_F(DeviceChannel, PayloadChecksumIsCheckedBeforeTheBucketIsHandedOut) {
+TEST_F(DeviceChannel, PayloadChecksumIsTheBlockHashCheckedOnTheDeviceBeforeHandingOut) {
   auto options = on_device();
   options.payload_checksum = true;
   auto publisher = Publisher::create(channel, options);
   auto careless = Subscriber::attach(channel, 1s);
   auto careful = Subscriber::attach(channel, 1s);
-  auto bucket = cli::make_bucket({.tensors = 2}, 0);
+  auto bucket = cli::make_bucket({.tensors = 2, .tensor_bytes = 100 * 1024}, 0);
+  ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
+  auto good = next_bucket(careful);
+  ASSERT_TRUE(good.view().payload_checksum());
+  EXPECT_TRUE(good.view().payload_checksum()->block_hash);
+  EXPECT_EQ(good.view().payload_checksum()->value, block_hash::hash_of(good.copy_to_host()));
+  EXPECT_EQ(StandIn::kernel_launches, 2);  // the producer's and this consumer's, on the "device"
+  good.release();
+  next_bucket(careless).release();
   ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
   {
     // A consumer that writes into the bucket it received (the stand-in's device memory is
     // host memory).
     auto received = careless.next(1s, {.check_payload_checksum = false});
     ASSERT_TRUE(received);
-    const_cast<std::byte&>(received->view()[0].bytes[5]) ^= std::byte{1};
+    const_cast<std::byte&>(received->view()[1].bytes[5]) ^= std::byte{1};
   }
   expect_error(ErrorCode::ChecksumMismatch, [&] { careful.next(1s); });
+  EXPECT_EQ(ipc::device_block_hashes_on_host(), 0u);
 }
 
 TEST_F(DeviceChannel, DeviceHandlesOfAnotherEpochAreRefused) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "serialize/block_hash.hpp"
 #include "support.hpp"
 
 namespace tensorbucket {
@@ -89,6 +90,74 @@ TEST(Verify, SkipsPayloadHashWhenAskedTo) {
   auto frame = f.frame({.payload_checksum = true});
   f.payload.span()[300] ^= std::byte{0x80};
   EXPECT_NO_THROW(BucketView::open(frame, f.payload.span(), {.check_payload_checksum = false}));
+}
+
+// A frame whose payload hash is the block hash, as a device channel's producer writes it.
+std::vector<std::byte> with_block_hash(std::vector<std::byte> frame, std::span<const std::byte> payload) {
+  BucketHeader header;
+  std::memcpy(&header, frame.data(), sizeof header);
+  header.flags |= kPayloadChecksum | kPayloadBlockHash;
+  header.payload_xxh3 = block_hash::hash_of(payload);
+  std::memcpy(frame.data(), &header, sizeof header);
+  return frame;
+}
+
+TEST(Verify, ChecksABlockHashOfAPayloadInHostMemory) {
+  Fixture f;
+  auto frame = with_block_hash(f.frame(), f.payload.span());
+  auto view = BucketView::open(frame, f.payload.span());
+  ASSERT_TRUE(view.payload_checksum());
+  EXPECT_TRUE(view.payload_checksum()->block_hash);
+  EXPECT_EQ(view.payload_checksum()->value, block_hash::hash_of(f.payload.span()));
+  f.payload.span()[767] ^= std::byte{1};
+  expect_rejected(ErrorCode::ChecksumMismatch, frame, f.payload.span());
+}
+
+TEST(Verify, RejectsTheBlockHashFlagWithoutAPayloadChecksum) {
+  Fixture f;
+  auto frame = f.frame();
+  BucketHeader header;
+  std::memcpy(&header, frame.data(), sizeof header);
+  header.flags |= kPayloadBlockHash;
+  std::memcpy(frame.data(), &header, sizeof header);
+  expect_rejected(ErrorCode::HeaderCorrupt, frame, f.payload.span());
+}
+
+// Bytes 7i + i / 4099 + 3 (mod 256): no two blocks alike.
+std::vector<std::byte> pattern(std::size_t bytes) {
+  std::vector<std::byte> out(bytes);
+  for (std::size_t i = 0; i < bytes; ++i) out[i] = static_cast<std::byte>(i * 7 + i / 4099 + 3);
+  return out;
+}
+
+// Pinned: producers, consumers and the kernel (ipc/block_hash.cu, compared with this on a GPU
+// by test_cuda_channel) must agree, so a change here is a change of the format. The values
+// were checked against a separate implementation of docs/format.md's definition.
+TEST(BlockHash, KnownValues) {
+  EXPECT_EQ(block_hash::hash_of({}), xxh3({}));
+  EXPECT_EQ(block_hash::hash_of(pattern(1)), 0x0481b60fa4b0a0abull);
+  EXPECT_EQ(block_hash::hash_of(pattern(3 * block_hash::kHashBlockBytes + 13)), 0x378b8827ce9bed2aull);
+}
+
+TEST(BlockHash, EveryByteCountsWhereverItIs) {
+  auto payload = pattern(3 * block_hash::kHashBlockBytes + 13);
+  auto original = block_hash::hash_of(payload);
+  // The first and last byte of each block and word, and of the partial word at the end.
+  for (std::size_t at : {std::size_t{0}, std::size_t{7}, std::size_t{8}, std::size_t{255},
+                         std::size_t{block_hash::kHashBlockBytes - 1}, std::size_t{block_hash::kHashBlockBytes},
+                         std::size_t{2 * block_hash::kHashBlockBytes + 31 * 8}, payload.size() - 13, payload.size() - 1}) {
+    payload[at] ^= std::byte{0x01};
+    EXPECT_NE(block_hash::hash_of(payload), original) << "byte " << at;
+    payload[at] ^= std::byte{0x01};
+  }
+  // Blocks in another order, and a zero byte more at the end (the zero padding of the last word).
+  auto swapped = payload;
+  std::swap_ranges(swapped.begin(), swapped.begin() + block_hash::kHashBlockBytes,
+                   swapped.begin() + block_hash::kHashBlockBytes);
+  EXPECT_NE(block_hash::hash_of(swapped), original);
+  auto longer = payload;
+  longer.push_back(std::byte{0});
+  EXPECT_NE(block_hash::hash_of(longer), original);
 }
 
 TEST(Verify, RejectsDuplicateNames) {

@@ -192,8 +192,12 @@ class BucketView {
 
   // The payload as the verified header declares it: its bytes, and its hash when the header
   // carries one (for the checks of a payload open() does not read).
+  struct PayloadChecksum {
+    std::uint64_t value;
+    bool block_hash;  // the block hash of docs/format.md, else xxh3-64
+  };
   std::span<const std::byte> payload() const noexcept { return payload_; }
-  std::optional<std::uint64_t> payload_checksum() const noexcept { return payload_checksum_; }
+  std::optional<PayloadChecksum> payload_checksum() const noexcept { return payload_checksum_; }
 
   // This bucket's identity, from its manifest.
   std::uint64_t version() const noexcept { return version_; }
@@ -215,7 +219,7 @@ class BucketView {
   BucketView(std::shared_ptr<const detail::VerifiedManifest> verified,
              std::span<const std::byte> payload, std::uint64_t version,
              std::uint32_t bucket_index, std::uint32_t bucket_count, PayloadLocation location,
-             std::optional<std::uint64_t> payload_checksum);
+             std::optional<PayloadChecksum> payload_checksum);
 
   std::shared_ptr<const detail::VerifiedManifest> verified_;
   std::span<const std::byte> payload_;
@@ -223,7 +227,7 @@ class BucketView {
   std::uint32_t bucket_index_ = 0;
   std::uint32_t bucket_count_ = 1;
   PayloadLocation location_;
-  std::optional<std::uint64_t> payload_checksum_;
+  std::optional<PayloadChecksum> payload_checksum_;
 };
 
 }  // namespace tensorbucket

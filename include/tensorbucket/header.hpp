@@ -22,9 +22,11 @@ inline constexpr std::uint32_t kHeaderMagic = 0x314B4254;  // "TBK1" in memory o
 inline constexpr std::uint16_t kHeaderLayoutVersion = 1;
 
 enum HeaderFlags : std::uint16_t {
-  kPayloadChecksum = 1u << 0,  // payload_xxh3 is set and must be checked
+  kPayloadChecksum = 1u << 0,   // payload_xxh3 is set and must be checked
+  kPayloadBlockHash = 1u << 1,  // with kPayloadChecksum: payload_xxh3 is the payload's block
+                                // hash (docs/format.md), as a device channel's payloads have
 };
-inline constexpr std::uint16_t kKnownHeaderFlags = kPayloadChecksum;
+inline constexpr std::uint16_t kKnownHeaderFlags = kPayloadChecksum | kPayloadBlockHash;
 
 struct BucketHeader {
   std::uint32_t magic;           // kHeaderMagic
@@ -33,7 +35,7 @@ struct BucketHeader {
   std::uint64_t manifest_bytes;  // size of the encoded manifest that follows the header
   std::uint64_t manifest_xxh3;   // xxh3-64 of those bytes
   std::uint64_t payload_bytes;   // bytes of payload the manifest describes
-  std::uint64_t payload_xxh3;    // xxh3-64 of the payload when kPayloadChecksum, else 0
+  std::uint64_t payload_xxh3;    // xxh3-64 (or block hash) of the payload when kPayloadChecksum, else 0
   std::uint8_t reserved[24];     // zero; room for later fields without a layout bump
 };
 static_assert(sizeof(BucketHeader) == 64);
