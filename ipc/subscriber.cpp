@@ -492,6 +492,13 @@ void ReceivedBucket::release(CudaStream stream) noexcept {
 
 PayloadLocation Subscriber::location() const noexcept { return state_->location; }
 
+void ReceivedBucket::wait_ready() const {
+  if (!lease_) fail(ErrorCode::InvalidArgument, "bucket ", sequence_, " was released");
+  if (!lease_->mapping.imported) return;
+  ipc::DeviceScope scope(lease_->mapping.device);
+  ipc::check_device(ipc::device_api().synchronize(lease_->stream), "cuStreamSynchronize");
+}
+
 std::vector<std::byte> ReceivedBucket::copy_to_host() const {
   if (!lease_) fail(ErrorCode::InvalidArgument, "bucket ", sequence_, " was released");
   std::uint64_t end = 0;

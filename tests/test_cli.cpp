@@ -177,6 +177,10 @@ TEST_F(Cli, DeviceChannelWithoutCudaExitsSeven) {
   auto err = producer.err();
   EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
   EXPECT_NE(err.find("tbucket: CudaUnavailable: no CUDA driver in this process"), std::string::npos) << err;
+  // And the device benchmark, whose consumer it forked first is not left behind.
+  Tbucket bench({"bench", "--device", "cuda:0", "--repeats", "5"});
+  EXPECT_EQ(bench.finish(), 7);
+  EXPECT_NE(bench.err().find("CudaUnavailable"), std::string::npos) << bench.err();
 }
 
 TEST_F(Cli, MissingChannelExitsSix) {

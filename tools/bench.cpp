@@ -1,6 +1,9 @@
 // `tbucket bench`: cross-process handoff figures, each beside a baseline measured in the same
 // run. A forked consumer receives every bucket and reports latency percentiles; the producer
 // waits for each bucket's release before the next, so every figure is one isolated handoff.
+// With --device cuda:N, a device channel's figures: the consumer is forked before this process
+// touches CUDA (a process must not fork after), and a bucket counts as received once its bytes
+// are ready on the consumer's stream (ReceivedBucket::wait_ready()).
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -47,7 +50,7 @@ struct Latency {
 // Forks a consumer of `channel` that takes `count` buckets (the first `warmup` not counted)
 // and reports latency; `drive(i)` publishes bucket i in this process.
 Latency measure(const std::string& channel, int count, int warmup, Wait wait, Clock clock,
-                const std::function<bool(int)>& drive) {
+                const std::function<bool(int)>& drive, bool wait_ready = false) {
   int report[2];
   if (::pipe(report) != 0) return {};
   std::fflush(nullptr);  // or the child would print our buffered output again
@@ -65,6 +68,7 @@ Latency measure(const std::string& channel, int count, int warmup, Wait wait, Cl
           bucket = subscriber.next(10s);
         }
         if (!bucket) ::_exit(kTimeout);
+        if (wait_ready) bucket->wait_ready();
         auto from = clock == Clock::FromVisible ? bucket->published_ns() : bucket->publish_start_ns();
         if (i >= warmup) latencies.push_back(static_cast<double>(now_ns() - from) / 1000);
       }
@@ -77,7 +81,14 @@ Latency measure(const std::string& channel, int count, int warmup, Wait wait, Cl
   }
   ::close(report[1]);
   bool driven = true;
-  for (int i = 0; i < count && driven; ++i) driven = drive(i);
+  try {
+    for (int i = 0; i < count && driven; ++i) driven = drive(i);
+  } catch (...) {
+    ::kill(consumer, SIGKILL);  // it would wait out its timeouts for a producer that failed
+    ::waitpid(consumer, nullptr, 0);
+    ::close(report[0]);
+    throw;
+  }
   double values[2] = {};
   bool reported = ::read(report[0], values, sizeof values) == sizeof values;
   ::close(report[0]);
@@ -159,11 +170,53 @@ Row notification(const char* name, Wait wait, std::chrono::microseconds gap, int
   return {name, latency, "", 0, target};
 }
 
+// A device channel's handoff: publish start -> the consumer's bytes ready, for an empty bucket
+// or 1000 tensors of `tensor_bytes` copied from host memory or written in place (the in-place
+// figure leaves the slot's bytes as they were: it is the cost of the commit). The publisher
+// is made at the first bucket, after the consumer was forked.
+Row device_handoff(const char* name, PayloadLocation device, std::uint32_t tensors, std::uint64_t tensor_bytes,
+                   bool in_place, int repeats, const char* target) {
+  Workload workload{.buckets = 1, .tensors = tensors, .tensor_bytes = tensor_bytes};
+  auto bucket = make_bucket(workload, 0);
+  auto layout = make_layout(workload, 0);
+  auto channel = channel_name();
+  std::optional<Publisher> publisher;
+  auto latency = measure(
+      channel, repeats + 2, 2, Wait::Next, Clock::FromPublishStart,
+      [&](int) {
+        if (!publisher) publisher.emplace(Publisher::create(channel, {.location = device}));
+        bool ok = true;
+        if (in_place) {
+          auto reservation = publisher->reserve(layout, 10s);
+          ok = reservation.has_value();
+          if (ok) reservation->commit();
+        } else {
+          ok = publisher->publish(bucket.builder, 10s);
+        }
+        ok = ok && publisher->drain(10s);
+        std::this_thread::sleep_for(1ms);
+        return ok;
+      },
+      true);
+  return {name, latency, "", 0, target};
+}
+
+std::vector<Row> device_rows(PayloadLocation device, int n) {
+  std::vector<Row> rows;
+  rows.push_back(device_handoff("device: empty bucket", device, 0, 0, false, n, "<= 20 us"));
+  rows.push_back(device_handoff("device: in-place 1000 x 4 KiB", device, 1000, 4096, true, n, "<= 50 us"));
+  rows.push_back(device_handoff("device: copy 1000 x 4 KiB from host", device, 1000, 4096, false, n, ""));
+  return rows;
+}
+
 }  // namespace
 
 int run_bench(const BenchOptions& options) {
   auto n = static_cast<int>(options.repeats);
+  auto device = PayloadLocation::parse(options.device);
   std::vector<Row> rows;
+  if (!device.on_host()) rows = device_rows(device, n);
+  if (device.on_host()) {
   rows.push_back(copy_handoff("copy 1000 x 1 KiB", 1024, n, "<= 95 us"));
   rows.push_back(copy_handoff("copy 1000 x 256 KiB", 256 * 1024, std::max(5, n / 10), "<= 1.1x memcpy"));
   rows.push_back(in_place_handoff("in-place 1000 x 1 KiB", 1024, n));
@@ -171,6 +224,7 @@ int run_bench(const BenchOptions& options) {
   rows.push_back(in_place_handoff("in-place 1000 x 256 KiB", 256 * 1024, std::max(5, n / 10)));
   rows.push_back(notification("notify, consumer spinning", Wait::Spin, 1000us, n, "<= 0.5 us"));
   rows.push_back(notification("notify, consumer asleep", Wait::Next, 2000us, n, "<= 15 us"));
+  }
 
   bool ok = true;
   if (options.json) std::printf("[");
@@ -190,7 +244,8 @@ int run_bench(const BenchOptions& options) {
       if (row.baseline_us > 0) {
         std::printf("  | %s: %.2f us, ratio %.2fx", row.baseline.c_str(), row.baseline_us, ratio);
       }
-      std::printf("  (target %s)%s\n", row.target.c_str(), row.latency.ok ? "" : "  FAILED");
+      if (!row.target.empty()) std::printf("  (target %s)", row.target.c_str());
+      std::printf("%s\n", row.latency.ok ? "" : "  FAILED");
     }
   }
   if (options.json) std::printf("]\n");

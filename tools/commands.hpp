@@ -46,6 +46,7 @@ struct DemoOptions {
 struct BenchOptions {
   bool json = false;
   std::uint32_t repeats = 50;
+  std::string device = "host";  // cuda:N: the device channel's figures instead
 };
 
 int run_produce(const ProduceOptions& options);

@@ -169,6 +169,11 @@ class ReceivedBucket {
   // the copy: for tools and checks. A device bucket's fast path never leaves the device.
   std::vector<std::byte> copy_to_host() const;
 
+  // Waits on the host until a device bucket's bytes are ready on the stream it was received
+  // on (and the work queued there before is done): for tools and measurements. Nothing to wait
+  // for on the host.
+  void wait_ready() const;
+
   // Gives the slot back early. The views must not be used afterwards. On a CUDA channel the
   // release is ordered after the work queued on `stream` so far (by default the stream the
   // bucket was received on): the producer's rewrite of the slot waits for it on the device.
