@@ -381,6 +381,10 @@ TEST_F(DeviceChannel, ABucketCopiedToTheHostHoldsItsPayload) {
   EXPECT_TRUE(cli::check_bucket(received.view(), workload.seed, 0, copy).empty());
   copy[2 * 1024] ^= std::byte{1};
   EXPECT_FALSE(cli::check_bucket(received.view(), workload.seed, 0, copy).empty());
+  received.wait_ready();
+  received.release();
+  expect_error(ErrorCode::InvalidArgument, [&] { received.copy_to_host(); });
+  expect_error(ErrorCode::InvalidArgument, [&] { received.wait_ready(); });
 }
 
 TEST_F(DeviceChannel, WithoutTheStandInOrADriverCreateIsCudaUnavailable) {
