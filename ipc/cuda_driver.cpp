@@ -52,8 +52,10 @@ struct Driver {
   CUresult (*synchronize_context)();
   CUresult (*current_context)(CUcontext* context);
   CUresult (*create_stream)(CUstream* stream, unsigned flags);
+  CUresult (*destroy_stream)(CUstream stream);
   CUresult (*load_module)(CUmodule* module, const void* image);
   CUresult (*get_function)(CUfunction* function, CUmodule module, const char* name);
+  CUresult (*unload_module)(CUmodule module);
   CUresult (*launch)(CUfunction function, unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block_x,
                      unsigned block_y, unsigned block_z, unsigned shared_bytes, CUstream stream, void** parameters,
                      void** extra);
@@ -183,9 +185,17 @@ int batch_beside(const DeviceCopy* copies, std::size_t count, CUstream stream) {
   if (auto code = driver.current_context(&context)) return code;
   auto& side = side_streams[context];
   if (side.stream == nullptr) {
-    if (auto code = driver.create_stream(&side.stream, kStreamNonBlocking)) return code;
-    if (auto code = driver.create_event(&side.before, kEventDisableTiming)) return code;
-    if (auto code = driver.create_event(&side.after, kEventDisableTiming)) return code;
+    // Kept only whole: a stream without its events would fail every batch after.
+    SideStream made;
+    auto code = driver.create_stream(&made.stream, kStreamNonBlocking);
+    if (code == 0) code = driver.create_event(&made.before, kEventDisableTiming);
+    if (code == 0) code = driver.create_event(&made.after, kEventDisableTiming);
+    if (code != 0) {
+      if (made.before != nullptr) driver.destroy_event(made.before);
+      if (made.stream != nullptr) driver.destroy_stream(made.stream);
+      return code;
+    }
+    side = made;
   }
   if (auto code = driver.record_event(side.before, stream)) return code;
   if (auto code = driver.wait_event(side.stream, side.before, 0)) return code;
@@ -218,10 +228,18 @@ int synchronize_event(DeviceEvent event) { return driver.synchronize_event(stati
 int synchronize_context() { return driver.synchronize_context(); }
 
 // The kernel, loaded once per context (the PTX is compiled for the device then). A driver
-// older than the nvcc that made the PTX cannot compile it: then the hash is taken on a host
-// copy, as in a build without the kernel.
+// older than the nvcc that made the PTX cannot compile it: then, for good, the hash is taken
+// on a host copy, as in a build without the kernel. Other failures (out of memory) are errors,
+// and loading is tried again next time.
 std::mutex kernels_mutex;
-std::map<CUcontext, std::optional<CUfunction>> block_hash_kernels;
+std::map<CUcontext, std::optional<CUfunction>> block_hash_kernels;  // null: refused for good
+
+bool refused_for_good(CUresult code) {
+  constexpr CUresult kNoBinaryForGpu = 209, kInvalidPtx = 218, kUnsupportedPtxVersion = 222,
+                     kJitCompilerNotFound = 221, kInvalidImage = 200;
+  return code == kNoBinaryForGpu || code == kInvalidPtx || code == kUnsupportedPtxVersion ||
+         code == kJitCompilerNotFound || code == kInvalidImage;
+}
 
 int hash_blocks(DeviceAddress payload, std::uint64_t bytes, DeviceAddress hashes, DeviceStream stream) {
   if (kBlockHashPtx == nullptr) return kDeviceNotSupported;
@@ -234,12 +252,13 @@ int hash_blocks(DeviceAddress payload, std::uint64_t bytes, DeviceAddress hashes
     if (!known) {
       CUmodule module = nullptr;
       CUfunction loaded = nullptr;
-      if (driver.load_module(&module, kBlockHashPtx) == 0 &&
-          driver.get_function(&loaded, module, "tensorbucket_block_hashes") == 0) {
-        known = loaded;
-      } else {
-        known = nullptr;
+      auto code = driver.load_module(&module, kBlockHashPtx);
+      if (code == 0) {
+        code = driver.get_function(&loaded, module, "tensorbucket_block_hashes");
+        if (code != 0) driver.unload_module(module);
       }
+      if (code != 0 && !refused_for_good(code)) return code;
+      known = loaded;
     }
     if (*known == nullptr) return kDeviceNotSupported;
     kernel = *known;
@@ -321,8 +340,10 @@ const DeviceApi* load() {
   resolve(driver.synchronize_context, "cuCtxSynchronize", 12000);
   resolve(driver.current_context, "cuCtxGetCurrent", 12000);
   resolve(driver.create_stream, "cuStreamCreate", 12000);
+  resolve(driver.destroy_stream, "cuStreamDestroy", 12000);
   resolve(driver.load_module, "cuModuleLoadData", 12000);
   resolve(driver.get_function, "cuModuleGetFunction", 12000);
+  resolve(driver.unload_module, "cuModuleUnload", 12000);
   resolve(driver.launch, "cuLaunchKernel", 12000);
   return &kDriverApi;
 }

@@ -18,6 +18,21 @@ namespace {
 std::atomic<const DeviceApi*> stand_in{nullptr};
 std::atomic<std::uint64_t> hashes_on_host{0};
 
+struct HashScratch {
+  struct Buffer {
+    DeviceAddress address = 0;
+    std::uint64_t bytes = 0;
+  };
+  std::mutex mutex;
+  Owner owner;
+  std::map<int, Buffer> buffers;  // by ordinal
+};
+
+HashScratch& hash_scratch() {
+  static auto* scratch = new HashScratch;  // never destroyed: the memory lives with the process
+  return *scratch;
+}
+
 struct EventPool {
   std::mutex mutex;
   Owner owner;
@@ -133,19 +148,35 @@ DeviceEvent own_event(const DeviceHandle& handle) noexcept {
 
 std::uint64_t device_block_hashes_on_host() { return hashes_on_host.load(); }
 
-std::uint64_t device_block_hash(DeviceAddress payload, std::uint64_t bytes, DeviceStream stream) {
+std::uint64_t device_block_hash(int ordinal, DeviceAddress payload, std::uint64_t bytes, DeviceStream stream) {
   const auto& api = device_api();
   std::vector<std::uint64_t> hashes(block_hash::blocks_in(bytes));
   if (hashes.empty()) return block_hash::combine(hashes);
-  DeviceAddress on_device = 0;
-  check_device(api.allocate(&on_device, hashes.size() * sizeof(std::uint64_t)), "cuMemAlloc");
-  auto code = api.hash_blocks(payload, bytes, on_device, stream);
-  if (code == 0) {
-    DeviceCopy back{reinterpret_cast<DeviceAddress>(hashes.data()), on_device, hashes.size() * sizeof(std::uint64_t)};
-    code = api.copy(&back, 1, stream);
-    if (code == 0) code = api.synchronize(stream);
+  auto& scratch = hash_scratch();
+  int code = 0;
+  {
+    // A buffer per device, not an allocation per hash: cuMemAlloc and cuMemFree wait for
+    // the device, torch's streams included.
+    std::lock_guard lock(scratch.mutex);
+    if (scratch.owner.forked()) {  // the parent's buffers: forgotten, not freed
+      scratch.buffers.clear();
+      scratch.owner = Owner();
+    }
+    auto& buffer = scratch.buffers[ordinal];
+    auto needed = hashes.size() * sizeof(std::uint64_t);
+    if (buffer.bytes < needed) {
+      if (buffer.address != 0) api.release(buffer.address);
+      buffer = {};
+      check_device(api.allocate(&buffer.address, needed), "cuMemAlloc");
+      buffer.bytes = needed;
+    }
+    code = api.hash_blocks(payload, bytes, buffer.address, stream);
+    if (code == 0) {
+      DeviceCopy back{reinterpret_cast<DeviceAddress>(hashes.data()), buffer.address, needed};
+      code = api.copy(&back, 1, stream);
+      if (code == 0) code = api.synchronize(stream);
+    }
   }
-  api.release(on_device);
   if (code == 0) return block_hash::combine(hashes);
   if (code != kDeviceNotSupported) check_device(code, "tensorbucket_block_hashes");
   ++hashes_on_host;

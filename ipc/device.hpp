@@ -97,10 +97,11 @@ void give_back_event(int ordinal, const PooledEvent& event) noexcept;
 // exports, so a producer and a consumer in one process use the event itself.
 DeviceEvent own_event(const DeviceHandle& handle) noexcept;
 
-// The block hash of the `bytes` of device memory at `payload`, after the work queued on
-// `stream`, waiting for it: on the GPU where the kernel is built in, else of a copy brought
-// back. The device's context must be current.
-std::uint64_t device_block_hash(DeviceAddress payload, std::uint64_t bytes, DeviceStream stream);
+// The block hash of the `bytes` of device memory at `payload` on device `ordinal`, after the
+// work queued on `stream`, waiting for it: on the GPU where the kernel is built in, else of a
+// copy brought back. The device's context must be current. The block hashes land in a buffer
+// kept per device (grown, never shrunk: 8 bytes per 64 KiB hashed), one hash at a time.
+std::uint64_t device_block_hash(int ordinal, DeviceAddress payload, std::uint64_t bytes, DeviceStream stream);
 // How many of those were taken on a host copy, for tests.
 std::uint64_t device_block_hashes_on_host();
 

@@ -293,7 +293,8 @@ struct detail::PublisherState {
   std::uint64_t payload_hash(const ipc::SlotStorage& storage, std::uint64_t payload_bytes) {
     if (!storage.on_device()) return xxh3({storage.payload(), payload_bytes});
     header.flags |= kPayloadBlockHash;
-    return ipc::device_block_hash(reinterpret_cast<ipc::DeviceAddress>(storage.payload()), payload_bytes, stream);
+    return ipc::device_block_hash(*device, reinterpret_cast<ipc::DeviceAddress>(storage.payload()), payload_bytes,
+                                  stream);
   }
 
   // Writes the header and publishes the claimed slot: the bucket's bytes are in place (on a

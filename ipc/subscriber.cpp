@@ -65,18 +65,20 @@ struct ReleaseEvents {
   }
   ReleaseEvents(const ReleaseEvents&) = delete;
   ReleaseEvents& operator=(const ReleaseEvents&) = delete;
-  // Destroyed after our record is freed: the producer stops waiting on our events then, so
-  // the work each release was ordered after must be done first. The one host wait of a
-  // consumer, at detach.
   ~ReleaseEvents() {
-    if (owner.forked()) return;  // the parent's
+    if (!owner.forked()) give_back();  // else the parent's
+  }
+
+  // Waits on the host for the work each release was ordered after: the producer stops waiting
+  // on our events once our record is free, so that work must be done before it is. The one
+  // host wait of a consumer, at detach.
+  void wait_for_releases() noexcept {
     try {
       ipc::DeviceScope scope(device);
       for (const auto& event : events) ipc::device_api().synchronize_event(event.event);
     } catch (const Error&) {
       // The context is gone (the driver shutting down): so is the work.
     }
-    give_back();
   }
   void give_back() noexcept {
     for (const auto& event : events) ipc::give_back_event(device, event);
@@ -119,9 +121,12 @@ struct detail::SubscriberState {
   // the producer overwrite buckets the parent is still reading.
   bool forked() const { return owner.forked(); }
 
-  // Frees the record, unless it was taken from us; the lock goes after, with the descriptor.
+  // Frees the record, unless it was taken from us, once the device work our releases were
+  // ordered after is done; the lock goes after, with the descriptor, and the release events
+  // back to the pool.
   ~SubscriberState() {
     if (record == nullptr || forked()) return;
+    if (release_events) release_events->wait_for_releases();
     auto claim = ipc::atomic(record->claim).load(std::memory_order_seq_cst);
     for (int retry = 0; retry < kClaimRetries && ipc::claim_token(claim) == token; ++retry) {
       if (ipc::atomic(record->claim).compare_exchange_weak(claim, 0, std::memory_order_seq_cst)) break;
@@ -233,7 +238,8 @@ struct detail::SubscriberState {
     }
     // Within the imported block: open() checked the payload's size against it.
     auto payload = view.payload();
-    auto hash = ipc::device_block_hash(reinterpret_cast<ipc::DeviceAddress>(payload.data()), payload.size(), stream);
+    auto hash = ipc::device_block_hash(mapping.device, reinterpret_cast<ipc::DeviceAddress>(payload.data()),
+                                       payload.size(), stream);
     if (hash != expected->value) {
       fail(ErrorCode::ChecksumMismatch, "payload hash 0x", std::hex, hash, " of bucket ", std::dec, bucket,
            " does not match the header's 0x", std::hex, expected->value);

@@ -188,7 +188,10 @@ int zero(ipc::DeviceAddress address, std::uint64_t bytes, ipc::DeviceStream) {
 }
 
 int synchronize(ipc::DeviceStream) { return 0; }
-int synchronize_event(ipc::DeviceEvent) { return 0; }
+int synchronize_event(ipc::DeviceEvent) {
+  if (StandIn::on_event_wait) StandIn::on_event_wait();
+  return 0;
+}
 int synchronize_context() { return 0; }
 
 int hash_blocks(ipc::DeviceAddress payload, std::uint64_t bytes, ipc::DeviceAddress hashes, ipc::DeviceStream) {
@@ -257,6 +260,7 @@ void StandIn::reset_counts() {
     *count = 0;
   }
   fail_next = nullptr;
+  on_event_wait = nullptr;
   std::lock_guard lock(mutex);
   operations_asked.clear();
 }

