@@ -39,9 +39,14 @@ int run_produce(const ProduceOptions& options) {
                                                        .min_consumers = options.consumers,
                                                        .payload_checksum = options.checksum,
                                                        .location = PayloadLocation::parse(options.device)});
+  // A device channel's slots are written tensor by tensor from a staging buffer in host
+  // memory, copy path or not: a copy from pageable memory has taken its bytes when the call
+  // returns, while a bucket's batched copy reads them later in stream order (publish() wants
+  // its sources kept until then, and this loop drops each bucket at once).
   bool on_device = !publisher.location().on_host();
-  std::vector<std::byte> staging;  // in place on a device: each tensor is made here, then copied
-  if (!options.in_place) {
+  bool in_place = options.in_place || on_device;
+  std::vector<std::byte> staging;
+  if (!in_place) {
     // The copy path makes a private copy of each bucket first. Reserving the first slot
     // (then dropping it: nothing is published) sizes its segment, so that a bucket shared
     // memory cannot hold fails here, before that much memory is allocated for nothing.
@@ -51,7 +56,7 @@ int run_produce(const ProduceOptions& options) {
   auto start = Clock::now();
   for (std::uint64_t i = 0; i < workload.buckets; ++i) {
     bool published = false;
-    if (options.in_place) {
+    if (in_place) {
       auto layout = make_layout(workload, i);
       std::optional<Reservation> reservation;
       published = with_deadline(options.timeout_ms, [&](auto slice) {
@@ -63,7 +68,6 @@ int run_produce(const ProduceOptions& options) {
           if (on_device) {
             staging.resize(reservation->entry_spans()[t].size());
             fill_tensor(staging, workload, i, t);
-            // From pageable memory, CUDA has taken the bytes when the call returns.
             reservation->write(t, staging.data());
           } else {
             fill_tensor(reservation->entry_spans()[t], workload, i, t);

@@ -63,7 +63,8 @@ int main(int argc, char** argv) {
   produce_command->add_flag("--checksum", produce.checksum, "Hash every payload");
   produce_command->add_flag("--in-place", produce.in_place, "Write tensors straight into shared memory");
   produce_command->add_option("--device", produce.device,
-                              "Where the payloads live: host, or cuda:N (a CUDA device of this process)")
+                              "Where the payloads live: host, or cuda:N (a CUDA device of this process; "
+                              "its slots are written tensor by tensor from host memory)")
       ->capture_default_str();
   produce_command->add_option("--interval-ms", produce.interval_ms, "Pause between buckets")
       ->check(whole_number(0, kAny));
