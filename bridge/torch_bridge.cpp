@@ -437,8 +437,10 @@ void load_into(const NamedTensors& targets, const NamedTensors& tensors) {
   for (const auto& [name, target] : targets) copy_into(target, *by_name.at(name));
 }
 
-void load_into(const NamedTensors& targets, const BucketView& bucket, CudaStream stream) {
-  check_targets(targets);
+namespace {
+
+// Loads `bucket` into exactly `targets` (checked by the caller).
+void load_whole(const NamedTensors& targets, const BucketView& bucket, CudaStream stream) {
   const auto& manifest = bucket.manifest();
   at::NoGradGuard no_grad;
   if (!bucket.location().on_host()) {
@@ -465,11 +467,40 @@ void load_into(const NamedTensors& targets, const BucketView& bucket, CudaStream
   }
 }
 
+
+// The targets one bucket of a split update loads: those its entries name, in their order.
+NamedTensors named_in(const NamedTensors& targets, const BucketView& bucket) {
+  NamedTensors part;
+  for (const auto& target : targets) {
+    if (bucket.position(target.first)) part.push_back(target);
+  }
+  return part;
+}
+
+}  // namespace
+
+void load_into(const NamedTensors& targets, const BucketView& bucket, CudaStream stream) {
+  check_targets(targets);
+  if (bucket.bucket_count() == 1) return load_whole(targets, bucket, stream);
+  load_whole(named_in(targets, bucket), bucket, stream);
+}
+
+void load_into(const NamedTensors& targets, const ReceivedUpdate& update, CudaStream stream) {
+  check_targets(targets);
+  // Everything checked before anything is copied: the buckets together against the targets.
+  check_expected(update.manifest(), manifest_of(targets));
+  if (update.buckets().size() == 1) return load_whole(targets, update.buckets().front().view(), stream);
+  for (const auto& bucket : update.buckets()) load_whole(named_in(targets, bucket.view()), bucket.view(), stream);
+}
+
 void load_into(torch::nn::Module& module, const NamedTensors& tensors) {
   load_into(named_tensors(module), tensors);
 }
 void load_into(torch::nn::Module& module, const BucketView& bucket, CudaStream stream) {
   load_into(named_tensors(module), bucket, stream);
+}
+void load_into(torch::nn::Module& module, const ReceivedUpdate& update, CudaStream stream) {
+  load_into(named_tensors(module), update, stream);
 }
 
 }  // namespace tensorbucket::torch_bridge

@@ -7,9 +7,14 @@
 // producer never reads back what it wrote: it keeps its own copy. The protocol, in one place
 // (docs/channel.md argues it case by case):
 //
-// - Bucket b always goes to slot b % slot_count. A slot's `generation` is a seqlock word:
-//   0 = never written, 2(b+1) = holds published bucket b (generation_of()), odd = the producer
-//   is rewriting it. Where the slot's bytes live is slot_storage.hpp's business alone.
+// - A slot's `generation` is a seqlock word: 0 = never written, 2(b+1) = holds published
+//   bucket b (generation_of()), odd = the producer is rewriting it. Consumers find bucket b by
+//   its generation in any slot. Under the `block` policy bucket b goes to slot b % slot_count;
+//   under `latest` to the slot of the oldest bucket that no live consumer leases. Where the
+//   slot's bytes live is slot_storage.hpp's business alone.
+// - Each slot's `SlotUpdate` says which update its bucket belongs to, written with the bucket
+//   and read under the same seqlock: a hint for finding an update's start or the newest
+//   complete update without reading frames, which the verified manifest then confirms.
 // - Liveness is a lock the kernel holds for a process (liveness.hpp): byte 0 of the control
 //   segment for the producer, byte 1 + r for the consumer of record r.
 // - A consumer record belongs to whoever holds its lock byte. Its `claim` word names the
@@ -22,14 +27,15 @@
 //   the producer claims a slot by making its generation odd, then reading every record. Both
 //   sides use seq_cst for that store-then-load pair, so at least one sees the other and backs
 //   off (the producer reverts the generation).
-// - The producer reuses a slot holding bucket b only when every record whose owner is alive
-//   has next_bucket > b and no lease on it, and release_count >= min_consumers. An attacher
-//   sets next_bucket to 0 before it claims, so it blocks every reuse until it has chosen
-//   where to start.
+// - `block`: the producer reuses a slot holding bucket b only when every record whose owner
+//   is alive has next_bucket > b and no lease on it, and release_count >= min_consumers. An
+//   attacher sets next_bucket to 0 before it claims, so it blocks every reuse until it has
+//   chosen where to start. `latest`: only the leases count; a consumer's lease is its one
+//   protection, and the same store-then-load pair makes it hold.
 // - Who reclaims what: a dead consumer's record (and leases) is freed by the producer when it
 //   blocks a slot, or taken over by the next attacher; a dead producer leaves its segments,
-//   which the next producer of the same name removes; consumers drain what was published and
-//   then report ProducerGone.
+//   which the next producer of the same name, or the next attacher, removes (attach never
+//   attaches to them); consumers drain what was published and then report ProducerGone.
 #pragma once
 
 #include <atomic>
@@ -45,7 +51,7 @@
 namespace tensorbucket::ipc {
 
 inline constexpr std::uint32_t kControlMagic = 0x4C434254;  // "TBCL" in memory order
-inline constexpr std::uint16_t kControlLayoutVersion = 4;
+inline constexpr std::uint16_t kControlLayoutVersion = 5;
 inline constexpr std::uint32_t kMaxSlots = 16;
 inline constexpr std::uint32_t kMaxConsumers = 64;
 inline constexpr std::size_t kMaxChannelName = 64;
@@ -73,6 +79,9 @@ constexpr std::uint64_t bucket_in(std::uint64_t generation) { return generation 
 // Where a channel's payloads live (ControlBlock::payload_home).
 enum class PayloadHome : std::uint16_t { kHost = 0, kCuda = 1 };
 
+// ControlBlock::policy: what the producer does when every slot is still needed.
+enum class SlotPolicy : std::uint16_t { kBlock = 0, kLatest = 1 };
+
 struct alignas(64) SlotControl {
   std::uint64_t generation;       // seqlock word, see above
   std::uint64_t segment_epoch;    // the slot's storage epoch (slot_storage.hpp); 0 = none
@@ -98,6 +107,16 @@ struct alignas(64) ConsumerRecord {
   std::uint64_t claim;        // owner token and leases, see claim_token()
   std::uint64_t next_bucket;  // the next bucket this consumer will read
   ProcessLabel process;
+  std::uint64_t next_update;  // the update ordinal (SlotUpdate) of next_bucket, for inspect
+};
+
+// Which update a slot's bucket belongs to (the manifest's version, bucket index and count,
+// and the producer's count of updates begun before it), as the producer published it.
+struct SlotUpdate {
+  std::uint64_t version;
+  std::uint32_t bucket_index;
+  std::uint32_t bucket_count;
+  std::uint64_t ordinal;
 };
 
 // A CUDA channel's slot: what a consumer needs to import its payload, written by the
@@ -131,13 +150,17 @@ struct ControlBlock {
   WaitWord consumer_wake;       // bumped on claim, publish and close
   WaitWord producer_wake;       // bumped on release, attach and detach
   std::uint16_t payload_home;   // a PayloadHome
-  std::uint16_t reserved[3];
+  std::uint16_t policy;         // a SlotPolicy
+  std::uint16_t update_buckets; // buckets per update the producer declared (for `latest`)
+  std::uint16_t reserved;
   std::uint64_t incarnation;    // random, new for each producer of the name
   DeviceUuid device;            // a CUDA channel's device
+  std::uint64_t updates;        // updates begun so far (buckets with index 0 published)
   SlotControl slots[kMaxSlots];
   ConsumerRecord consumers[kMaxConsumers];
   SlotDevice device_slots[kMaxSlots];        // CUDA channels only
   ReleaseEvents release_events[kMaxConsumers];  // CUDA channels only
+  SlotUpdate slot_updates[kMaxSlots];
 };
 
 static_assert(std::is_trivially_copyable_v<ControlBlock>);
@@ -149,8 +172,9 @@ static_assert(offsetof(ControlBlock, payload_home) == 64);
 static_assert(offsetof(ControlBlock, slots) == 128);
 static_assert(sizeof(SlotDevice) == 192 && sizeof(ReleaseEvents) == kMaxSlots * kDeviceHandleBytes);
 static_assert(std::is_trivially_copyable_v<SlotDevice> && std::is_trivially_copyable_v<ReleaseEvents>);
-static_assert(sizeof(ControlBlock) ==
-              128 + kMaxSlots * 64 + kMaxConsumers * 64 + kMaxSlots * 192 + kMaxConsumers * sizeof(ReleaseEvents));
+static_assert(sizeof(SlotUpdate) == 24 && std::is_trivially_copyable_v<SlotUpdate>);
+static_assert(sizeof(ControlBlock) == 128 + kMaxSlots * 64 + kMaxConsumers * 64 + kMaxSlots * 192 +
+                                          kMaxConsumers * sizeof(ReleaseEvents) + kMaxSlots * sizeof(SlotUpdate));
 static_assert(std::atomic_ref<std::uint64_t>::is_always_lock_free);
 
 template <class T>

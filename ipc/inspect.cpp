@@ -81,6 +81,12 @@ ChannelInfo inspect_channel(std::string_view channel) {
   info.producer_alive = ipc::held_by_other(segment->descriptor(), ipc::kProducerLockByte);
   info.closed = ipc::atomic(control->closed).load(std::memory_order_acquire) != 0;
   info.published = ipc::atomic(control->published).load(std::memory_order_acquire);
+  auto policy = ipc::atomic(control->policy).load(std::memory_order_relaxed);
+  info.policy = policy == static_cast<std::uint16_t>(ipc::SlotPolicy::kBlock)    ? "block"
+                : policy == static_cast<std::uint16_t>(ipc::SlotPolicy::kLatest) ? "latest"
+                                                                                 : "unknown (" + std::to_string(policy) + ")";
+  info.update_buckets = ipc::atomic(control->update_buckets).load(std::memory_order_relaxed);
+  info.updates = ipc::atomic(control->updates).load(std::memory_order_relaxed);
 
   std::optional<std::uint32_t> newest;
   for (std::uint32_t s = 0; s < info.slots; ++s) {
@@ -94,6 +100,12 @@ ChannelInfo inspect_channel(std::string_view channel) {
     state.epoch = epoch;
     state.payload_capacity = ipc::atomic(slot.payload_capacity).load(std::memory_order_relaxed);
     state.segment_bytes = ipc::atomic(slot.segment_bytes).load(std::memory_order_relaxed);
+    if (state.bucket) {
+      auto& place = control->slot_updates[s];
+      state.version = ipc::atomic(place.version).load(std::memory_order_relaxed);
+      state.bucket_index = ipc::atomic(place.bucket_index).load(std::memory_order_relaxed);
+      state.bucket_count = ipc::atomic(place.bucket_count).load(std::memory_order_relaxed);
+    }
     if (state.bucket && (!newest || *state.bucket > *info.slot_states[*newest].bucket)) newest = s;
     info.slot_states.push_back(state);
   }
@@ -105,6 +117,7 @@ ChannelInfo inspect_channel(std::string_view channel) {
     info.consumers.push_back({r, process.pid, elsewhere(process),
                               ipc::held_by_other(segment->descriptor(), ipc::consumer_lock_byte(r)),
                               ipc::atomic(record.next_bucket).load(std::memory_order_relaxed),
+                              ipc::atomic(record.next_update).load(std::memory_order_relaxed),
                               ipc::claim_leases(claim)});
   }
   bool known_home = home == ipc::PayloadHome::kHost || home == ipc::PayloadHome::kCuda;

@@ -10,6 +10,7 @@
 #include "control.hpp"
 #include "device.hpp"
 #include "futex.hpp"
+#include "leftovers.hpp"
 #include "liveness.hpp"
 #include "process.hpp"
 #include "segment.hpp"
@@ -122,13 +123,20 @@ struct detail::PublisherState {
 
   std::string channel;
   PublisherOptions options;
+  std::uint64_t incarnation;
   ipc::Segment control_segment;
   ipc::ControlBlock* control;
   std::vector<Slot> slots;
+  std::uint32_t open_slot = 0;  // the slot claimed for the bucket being written
   std::optional<int> device;  // the CUDA ordinal of a device channel
   std::optional<ReleaseWaits> release_waits;  // device channels
   ipc::DeviceStream stream = nullptr;  // of the bucket being written (device channels)
   std::uint64_t published = 0;
+  std::uint64_t updates = 0;  // updates begun: buckets with index 0 published
+  // Where the last published bucket stood in its update (none before the first), and where
+  // the open one stands: the order publish() enforces, and each slot's SlotUpdate.
+  std::optional<ipc::SlotUpdate> last_place;
+  ipc::SlotUpdate open_place{};
   // The open bucket's header, begun when its manifest was written: it hashes the manifest
   // this producer meant, not the bytes in the slot, which a peer may have changed since.
   BucketHeader header{};
@@ -136,6 +144,7 @@ struct detail::PublisherState {
   struct Blocker {
     std::optional<std::uint32_t> record;  // none: too few releases for min_consumers
     bool leased = false;
+    std::uint32_t slot = 0;
     std::uint64_t bucket = 0;
     std::uint32_t releases = 0;
   } blocker;
@@ -144,9 +153,10 @@ struct detail::PublisherState {
   bool closed = false;
   ipc::Owner owner;
 
-  PublisherState(std::string name, const PublisherOptions& opts, ipc::Segment segment)
+  PublisherState(std::string name, const PublisherOptions& opts, std::uint64_t incarnation_id, ipc::Segment segment)
       : channel(std::move(name)),
         options(opts),
+        incarnation(incarnation_id),
         control_segment(std::move(segment)),
         control(reinterpret_cast<ipc::ControlBlock*>(control_segment.data())) {
     if (!options.location.on_host()) {
@@ -159,9 +169,7 @@ struct detail::PublisherState {
     }
   }
 
-  std::uint32_t slot_of(std::uint64_t bucket) const {
-    return static_cast<std::uint32_t>(bucket % options.slots);
-  }
+  bool latest() const { return options.policy == OverflowPolicy::Latest; }
   ipc::SlotControl& shared_slot(std::uint32_t s) { return control->slots[s]; }
 
   // A child forked from the producer inherits this handle, but the channel stays the
@@ -182,18 +190,22 @@ struct detail::PublisherState {
     }
   }
 
+  // Who still needs a slot's bucket: `Lossless`, every live consumer that has not read it or
+  // holds it, and min_consumers releases (`block`); `Leased`, only a live consumer's lease.
+  enum class Need { Lossless, Leased };
+
   // True when no live consumer still needs `bucket` in slot `s`. The records that block it
   // are checked for liveness (a lock test, ~0.5 us: only for those, so the fast path makes no
   // system call); a dead one's record is freed, by compare-and-swap of the exact word judged
   // dead, so a record an attacher took over meanwhile is left alone. When false, `blocker`
   // says who blocks.
-  bool slot_releasable(std::uint32_t s, std::uint64_t bucket) {
+  bool slot_releasable(std::uint32_t s, std::uint64_t bucket, Need need = Need::Lossless) {
     // The count first: it costs no system call, and while a consumer still reads the bucket it
     // says no by itself. Testing that consumer's lock meanwhile, at every wake-up, slowed the
     // handoff to a sleeping consumer ~2x here (the two processes share two cores).
     auto releases = ipc::atomic(shared_slot(s).release_count).load(std::memory_order_acquire);
-    if (releases < options.min_consumers) {
-      blocker = {std::nullopt, false, bucket, releases};
+    if (need == Need::Lossless && releases < options.min_consumers) {
+      blocker = {std::nullopt, false, s, bucket, releases};
       return false;
     }
     // Every record, not only max_consumers of them: attach reads that bound from shared
@@ -203,13 +215,14 @@ struct detail::PublisherState {
       auto claim = ipc::atomic(record.claim).load(std::memory_order_seq_cst);
       if (ipc::claim_token(claim) == 0) continue;
       bool leased = (ipc::claim_leases(claim) & (1u << s)) != 0;
-      auto next_bucket = ipc::atomic(record.next_bucket).load(std::memory_order_seq_cst);
-      if (!leased && next_bucket > bucket) continue;
+      if (!leased && (need == Need::Leased || ipc::atomic(record.next_bucket).load(std::memory_order_seq_cst) > bucket)) {
+        continue;
+      }
       if (!ipc::held_by_other(control_segment.descriptor(), ipc::consumer_lock_byte(r)) &&
           ipc::atomic(record.claim).compare_exchange_strong(claim, 0, std::memory_order_seq_cst)) {
         continue;
       }
-      blocker = {r, leased, bucket, 0};
+      blocker = {r, leased, s, bucket, 0};
       return false;
     }
     return true;
@@ -220,7 +233,7 @@ struct detail::PublisherState {
   void word_blocker() {
     for (std::uint32_t r = 0; r < ipc::kMaxConsumers && !blocker.record; ++r) {
       auto claim = ipc::atomic(control->consumers[r].claim).load(std::memory_order_acquire);
-      bool leased = (ipc::claim_leases(claim) & (1u << slot_of(blocker.bucket))) != 0;
+      bool leased = (ipc::claim_leases(claim) & (1u << blocker.slot)) != 0;
       if (ipc::claim_token(claim) != 0 && ipc::held_by_other(control_segment.descriptor(), ipc::consumer_lock_byte(r)) &&
           (leased || ipc::atomic(control->consumers[r].next_bucket).load(std::memory_order_acquire) <= blocker.bucket)) {
         blocker.record = r;
@@ -238,26 +251,16 @@ struct detail::PublisherState {
                   (blocker.leased ? "still holds bucket " : "has not read bucket ") + std::to_string(blocker.bucket);
   }
 
-  // Makes slot `bucket % slots` ours (generation odd), waiting until its old bucket is
-  // releasable. False at the deadline.
-  bool claim(std::uint64_t bucket, Clock::time_point deadline) {
-    auto s = slot_of(bucket);
-    auto current = slots[s].generation;
-    auto& generation = shared_slot(s).generation;
+  // Makes the slot for the next bucket ours (its generation odd), waiting until one is free:
+  // under `block` slot published % slots once its bucket is releasable, under `latest` the
+  // slot of the oldest bucket that no live consumer leases. False at the deadline.
+  bool claim(Clock::time_point deadline) {
     for (;;) {
       refuse_if_control_damaged();
       auto wake = ipc::wake_count(control->producer_wake);
-      if (current == 0 || slot_releasable(s, bucket_in(current))) {
-        // Claim, then look again: a consumer may have taken a lease between the two. It sets
-        // its bit then reads the generation; we write the generation then read the bits.
-        ipc::atomic(generation).store(current + 1, std::memory_order_seq_cst);
-        if (current == 0 || slot_releasable(s, bucket_in(current))) {
-          ipc::atomic(shared_slot(s).release_count).store(0, std::memory_order_relaxed);
-          waiting_for.clear();
-          return true;
-        }
-        ipc::atomic(generation).store(current, std::memory_order_seq_cst);
-        ipc::futex_bump_and_wake(control->consumer_wake);
+      if (latest() ? claim_unleased() : try_claim(static_cast<std::uint32_t>(published % options.slots), Need::Lossless)) {
+        waiting_for.clear();
+        return true;
       }
       auto now = Clock::now();
       if (now >= deadline) {
@@ -267,6 +270,61 @@ struct detail::PublisherState {
       ipc::futex_wait(control->producer_wake, wake,
                       std::min<Clock::duration>(deadline - now, kWaitSlice));
     }
+  }
+
+  // Under `latest`: the slots from empty, then oldest bucket, to newest, the first nobody leases.
+  bool claim_unleased() {
+    std::uint32_t order[ipc::kMaxSlots];
+    for (std::uint32_t s = 0; s < options.slots; ++s) order[s] = s;
+    std::sort(order, order + options.slots,
+              [&](std::uint32_t a, std::uint32_t b) { return slots[a].generation < slots[b].generation; });
+    for (std::uint32_t i = 0; i < options.slots; ++i) {
+      if (try_claim(order[i], Need::Leased)) return true;
+    }
+    return false;
+  }
+
+  // Claims slot `s` if nobody needs its bucket, then looks again: a consumer may have taken a
+  // lease between the two. It sets its bit then reads the generation; we write the generation
+  // then read the bits.
+  bool try_claim(std::uint32_t s, Need need) {
+    auto current = slots[s].generation;
+    auto& generation = shared_slot(s).generation;
+    if (current != 0 && !slot_releasable(s, bucket_in(current), need)) return false;
+    ipc::atomic(generation).store(current + 1, std::memory_order_seq_cst);
+    if (current == 0 || slot_releasable(s, bucket_in(current), need)) {
+      ipc::atomic(shared_slot(s).release_count).store(0, std::memory_order_relaxed);
+      open_slot = s;
+      return true;
+    }
+    ipc::atomic(generation).store(current, std::memory_order_seq_cst);
+    ipc::futex_bump_and_wake(control->consumer_wake);
+    return false;
+  }
+
+  // Where a bucket stands in its update, checked against the last published: bucket 0 begins
+  // an update, any other follows the one before it. InvalidArgument otherwise, before anything
+  // is claimed.
+  ipc::SlotUpdate place_of(const Manifest& manifest) const {
+    if (latest() && manifest.bucket_count > options.update_buckets) {
+      fail(ErrorCode::InvalidArgument, "bucket_count ", manifest.bucket_count, " exceeds the update_buckets ",
+           options.update_buckets, " channel ", Quoted{channel},
+           " was created with: a `latest` channel sizes its slots by it");
+    }
+    if (manifest.bucket_index == 0) return {manifest.version, 0, manifest.bucket_count, updates};
+    auto follows = last_place && last_place->version == manifest.version &&
+                   last_place->bucket_count == manifest.bucket_count &&
+                   last_place->bucket_index + 1 == manifest.bucket_index;
+    if (!follows) {
+      std::string last = last_place ? "bucket " + std::to_string(last_place->bucket_index) + " of " +
+                                          std::to_string(last_place->bucket_count) + " of version " +
+                                          std::to_string(last_place->version)
+                                    : "nothing";
+      fail(ErrorCode::InvalidArgument, "bucket ", manifest.bucket_index, " of ", manifest.bucket_count,
+           " of version ", manifest.version, " does not follow what channel ", Quoted{channel},
+           " published last (", last, "): publish an update's buckets in order, from bucket 0");
+    }
+    return {manifest.version, manifest.bucket_index, manifest.bucket_count, last_place->ordinal};
   }
 
   // A producer resends its layout every step, so the slot's frame usually holds it already but
@@ -302,7 +360,7 @@ struct detail::PublisherState {
   // Whatever throws before the generation is published leaves the slot empty: a slot left odd
   // would block every later claim of it.
   void finish(std::uint64_t bucket, std::uint64_t payload_bytes) {
-    auto s = slot_of(bucket);
+    auto s = open_slot;
     auto& slot = slots[s];
     try {
       std::optional<ipc::DeviceScope> scope;
@@ -319,11 +377,21 @@ struct detail::PublisherState {
              " was truncated by another process while bucket ", bucket, " was written; it was not published");
       }
     } catch (...) {
-      abandon(bucket);
+      abandon();
       throw;
     }
     auto& shared = shared_slot(s);
     shared.published_ns = ipc::monotonic_ns();
+    auto& place = control->slot_updates[s];
+    ipc::atomic(place.version).store(open_place.version, std::memory_order_relaxed);
+    ipc::atomic(place.bucket_index).store(open_place.bucket_index, std::memory_order_relaxed);
+    ipc::atomic(place.bucket_count).store(open_place.bucket_count, std::memory_order_relaxed);
+    ipc::atomic(place.ordinal).store(open_place.ordinal, std::memory_order_relaxed);
+    if (open_place.bucket_index == 0) {
+      updates = open_place.ordinal + 1;
+      ipc::atomic(control->updates).store(updates, std::memory_order_relaxed);
+    }
+    last_place = open_place;
     // Release: the bytes and slot fields above are visible to a consumer that sees this value.
     slot.generation = ipc::generation_of(bucket);
     ipc::atomic(shared.generation).store(slot.generation, std::memory_order_release);
@@ -332,9 +400,9 @@ struct detail::PublisherState {
     ipc::futex_bump_and_wake(control->consumer_wake);
   }
 
-  // Leaves a claimed slot empty: its old bucket was releasable, its new one never came.
-  void abandon(std::uint64_t bucket) noexcept {
-    auto s = slot_of(bucket);
+  // Leaves the claimed slot empty: its old bucket was releasable, its new one never came.
+  void abandon() noexcept {
+    auto s = open_slot;
     slots[s].generation = 0;
     ipc::atomic(shared_slot(s).generation).store(0, std::memory_order_release);
     ipc::futex_bump_and_wake(control->consumer_wake);
@@ -354,8 +422,9 @@ struct detail::PublisherState {
            " has an open reservation; commit or drop it first");
     }
     auto start_ns = ipc::monotonic_ns();
-    if (!claim(published, ipc::deadline_after(timeout))) return std::nullopt;
-    auto s = slot_of(published);
+    open_place = place_of(manifest);
+    if (!claim(ipc::deadline_after(timeout))) return std::nullopt;
+    auto s = open_slot;
     // Consumers asleep waiting for this bucket wake now, and spin while it is written: their
     // wake-up overlaps the writing (see kWriteSpin in subscriber.cpp).
     ipc::futex_bump_and_wake(control->consumer_wake);
@@ -376,7 +445,7 @@ struct detail::PublisherState {
       if (device) prepare_device_payload(s, manifest, payload_bytes, encoding_id, on);
       return payload;
     } catch (...) {
-      abandon(published);
+      abandon();
       throw;
     }
   }
@@ -430,37 +499,18 @@ struct detail::PublisherState {
 
 namespace {
 
-// Removes what a dead producer left under `name`, holding its producer lock meanwhile: every
-// remover needs that lock and a new object can only take a free name, so while we hold it
-// and `name` still names the object, nobody else can remove or replace it. ChannelExists when
-// a live producer holds the lock.
+// Removes what a dead producer left under `name` (leftovers.hpp). ChannelExists when a live
+// producer holds it.
 void remove_stale_channel(std::string_view channel, const std::string& name) {
   auto stale = ipc::Segment::open(name, 0, true, ipc::Locks::kKept);
-  if (!stale) return;  // gone meanwhile
-  if (!ipc::try_lock(stale->descriptor(), ipc::kProducerLockByte)) {
-    // Or by another producer, which holds the lock while it removes a dead one's channel.
-    std::string owner = "a live process";
-    if (stale->size() >= sizeof(ipc::ControlBlock)) {
-      auto* control = reinterpret_cast<ipc::ControlBlock*>(stale->data());
-      owner = "live process " + describe(ipc::load_label(control->producer));
-    }
-    fail(ErrorCode::ChannelExists, "channel ", Quoted{channel}, " is owned by ", owner);
-  }
-  if (!stale->named(name)) return;  // replaced meanwhile: the caller looks again
+  if (!stale || ipc::remove_if_dead(channel, name, *stale)) return;  // else gone meanwhile, or removed
+  // Held by a live producer, or by another producer removing a dead one's channel.
+  std::string owner = "a live process";
   if (stale->size() >= sizeof(ipc::ControlBlock)) {
     auto* control = reinterpret_cast<ipc::ControlBlock*>(stale->data());
-    // The dead producer may have died growing a slot, between creating one epoch and
-    // unlinking the previous: remove the neighbours too.
-    auto slots = std::min<std::uint32_t>(ipc::atomic(control->slot_count).load(std::memory_order_relaxed),
-                                         ipc::kMaxSlots);
-    for (std::uint32_t s = 0; s < slots; ++s) {
-      auto epoch = ipc::atomic(control->slots[s].segment_epoch).load(std::memory_order_relaxed);
-      for (auto e : {epoch - 1, epoch, epoch + 1}) {
-        if (e != 0) ipc::Segment::remove(ipc::slot_segment_name(channel, s, e));
-      }
-    }
+    owner = "live process " + describe(ipc::load_label(control->producer));
   }
-  ipc::Segment::remove(name);
+  fail(ErrorCode::ChannelExists, "channel ", Quoted{channel}, " is owned by ", owner);
 }
 
 // The control segment, created under `name` and locked as its producer's. Of producers racing
@@ -504,6 +554,19 @@ void validate(const PublisherOptions& options) {
   if (!options.location.on_host() && options.location.device < 0) {
     fail(ErrorCode::InvalidArgument, "CUDA device ", options.location.device, " is not a device ordinal");
   }
+  if (options.policy != OverflowPolicy::Block && options.policy != OverflowPolicy::Latest) {
+    fail(ErrorCode::InvalidArgument, "overflow policy ", static_cast<int>(options.policy), " is not block or latest");
+  }
+  if (options.update_buckets < 1 || options.update_buckets > ipc::kMaxSlots) {
+    fail(ErrorCode::InvalidArgument, "update_buckets must be 1..", ipc::kMaxSlots, ", not ", options.update_buckets);
+  }
+  auto needed = latest_slots_needed(options.max_consumers, options.update_buckets);
+  if (options.policy == OverflowPolicy::Latest && options.slots < needed) {
+    fail(ErrorCode::InvalidArgument, "a `latest` channel with max_consumers ", options.max_consumers,
+         " and update_buckets ", options.update_buckets, " needs slots >= (max_consumers + 1) x update_buckets = ",
+         needed, ", not ", options.slots, ", so that its producer never waits (at most ", ipc::kMaxSlots,
+         " slots: lower max_consumers)");
+  }
 }
 
 std::uint64_t new_incarnation() {
@@ -530,12 +593,16 @@ Publisher Publisher::create(std::string_view channel, const PublisherOptions& op
   control->payload_checksum = options.payload_checksum;
   control->payload_home = static_cast<std::uint16_t>(options.location.on_host() ? ipc::PayloadHome::kHost
                                                                                   : ipc::PayloadHome::kCuda);
-  control->incarnation = new_incarnation();
+  control->policy = static_cast<std::uint16_t>(options.policy == OverflowPolicy::Latest ? ipc::SlotPolicy::kLatest
+                                                                                        : ipc::SlotPolicy::kBlock);
+  control->update_buckets = static_cast<std::uint16_t>(options.update_buckets);
+  auto incarnation = new_incarnation();
+  control->incarnation = incarnation;
   control->device = device;
   ipc::store_label(control->producer, ipc::this_process());
   // Release: a consumer that reads the magic sees every field above.
   ipc::atomic(control->magic).store(ipc::kControlMagic, std::memory_order_release);
-  return Publisher(std::make_unique<detail::PublisherState>(std::string(channel), options,
+  return Publisher(std::make_unique<detail::PublisherState>(std::string(channel), options, incarnation,
                                                              std::move(segment)));
 }
 
@@ -562,7 +629,7 @@ bool Publisher::publish(const BucketBuilder& bucket, std::chrono::milliseconds t
       bucket.pack_into({*base, payload_bytes});
     }
   } catch (...) {
-    state_->abandon(state_->published);
+    state_->abandon();
     throw;
   }
   state_->finish(state_->published, payload_bytes);
@@ -600,10 +667,16 @@ bool Publisher::drain(std::chrono::milliseconds timeout) {
   for (;;) {
     state.refuse_if_control_damaged();
     auto wake = ipc::wake_count(state.control->producer_wake);
+    // Under `latest`, consumers skip older buckets by design: the newest must be taken, the
+    // others only let go of.
     bool drained = true;
     for (std::uint32_t s = 0; s < state.options.slots && drained; ++s) {
       auto generation = state.slots[s].generation;
-      drained = generation == 0 || state.slot_releasable(s, bucket_in(generation));
+      if (generation == 0) continue;
+      auto bucket = bucket_in(generation);
+      bool newest = bucket + 1 == state.published;
+      drained = state.slot_releasable(s, bucket, !state.latest() || newest ? detail::PublisherState::Need::Lossless
+                                                                            : detail::PublisherState::Need::Leased);
     }
     if (drained) {
       state.waiting_for.clear();
@@ -634,6 +707,22 @@ std::uint64_t Publisher::published() const noexcept { return state_->published; 
 PayloadLocation Publisher::location() const noexcept { return state_->options.location; }
 const std::string& Publisher::channel() const noexcept { return state_->channel; }
 const std::string& Publisher::waiting_for() const noexcept { return state_->waiting_for; }
+std::uint64_t Publisher::incarnation() const noexcept { return state_->incarnation; }
+OverflowPolicy Publisher::policy() const noexcept { return state_->options.policy; }
+
+std::string_view to_string(OverflowPolicy policy) noexcept {
+  switch (policy) {
+    case OverflowPolicy::Block: return "block";
+    case OverflowPolicy::Latest: return "latest";
+  }
+  return "unknown";
+}
+
+OverflowPolicy parse_overflow_policy(std::string_view text) {
+  if (text == "block") return OverflowPolicy::Block;
+  if (text == "latest") return OverflowPolicy::Latest;
+  fail(ErrorCode::InvalidArgument, "overflow policy ", Quoted{text}, " is not block or latest");
+}
 
 Reservation::Reservation(detail::PublisherState* state, std::uint64_t payload_bytes,
                          std::vector<std::span<std::byte>> spans, bool streaming)
@@ -697,7 +786,7 @@ PayloadLocation Reservation::location() const noexcept {
 Reservation::~Reservation() {
   if (state_ == nullptr || state_->forked()) return;
   state_->reservation_open = false;
-  state_->abandon(state_->published);
+  state_->abandon();
 }
 
 void Reservation::commit() {
@@ -707,7 +796,7 @@ void Reservation::commit() {
   auto* state = std::exchange(state_, nullptr);
   state->reservation_open = false;
   // For the in-place path the handoff starts here: the writing before it is the caller's.
-  state->shared_slot(state->slot_of(state->published)).publish_start_ns = ipc::monotonic_ns();
+  state->shared_slot(state->open_slot).publish_start_ns = ipc::monotonic_ns();
   state->finish(state->published, payload_bytes_);
 }
 

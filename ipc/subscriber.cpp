@@ -6,10 +6,12 @@
 #include <cstring>
 #include <optional>
 #include <thread>
+#include <unordered_map>
 
 #include "control.hpp"
 #include "device.hpp"
 #include "futex.hpp"
+#include "leftovers.hpp"
 #include "liveness.hpp"
 #include "process.hpp"
 #include "segment.hpp"
@@ -86,12 +88,29 @@ struct ReleaseEvents {
   }
 };
 
+// A bucket a slot holds, with its place in its update as the producer wrote it (a hint,
+// confirmed by the verified manifest before anything is handed out).
+struct HeldBucket {
+  std::uint32_t slot;
+  std::uint64_t bucket;
+  ipc::SlotUpdate place;
+};
+
 struct detail::SubscriberState {
+  // Where this consumer stands between updates. `Unsynced`: it skips buckets until one that
+  // begins an update (a late joiner, or one that lost part of an update); `AtBoundary`: the
+  // last bucket it took ended an update (or it took none); `InUpdate`: it is within one.
+  enum class Position { Unsynced, AtBoundary, InUpdate };
+
   std::string channel;
   ipc::Segment control_segment;
   ipc::ControlBlock* control;
   std::uint32_t slot_count;  // read once, checked: the control block may change under us
   ipc::PayloadHome home;     // read once too
+  ipc::SlotPolicy policy;
+  std::uint64_t incarnation;
+  bool whole_updates;
+  Position position;
   ipc::ConsumerRecord* record = nullptr;
   std::uint32_t record_index = 0;
   std::uint64_t token = 0;  // ours in record->claim
@@ -105,12 +124,17 @@ struct detail::SubscriberState {
 
   // On a CUDA channel, `device` is its device, which this process numbers `where.device`.
   SubscriberState(std::string name, ipc::Segment segment, std::uint32_t slots_in_channel, ipc::PayloadHome payload_home,
-                  PayloadLocation where, const ipc::DeviceUuid& device)
+                  ipc::SlotPolicy slot_policy, std::uint64_t incarnation_id, bool whole, PayloadLocation where,
+                  const ipc::DeviceUuid& device)
       : channel(std::move(name)),
         control_segment(std::move(segment)),
         control(reinterpret_cast<ipc::ControlBlock*>(control_segment.data())),
         slot_count(slots_in_channel),
         home(payload_home),
+        policy(slot_policy),
+        incarnation(incarnation_id),
+        whole_updates(whole),
+        position(whole ? Position::Unsynced : Position::AtBoundary),
         location(where) {
     for (std::uint32_t s = 0; s < slot_count; ++s) slots.emplace_back(channel, s, home, device, where.device);
     if (!where.on_host()) release_events.emplace(where.device, slot_count);
@@ -182,19 +206,110 @@ struct detail::SubscriberState {
     }
   }
 
-  // The oldest bucket still in a slot, or the next to be published when none is. Seq_cst:
-  // after our claim, these loads see a slot the producer started rewriting (see attach()).
-  std::uint64_t oldest_available() {
-    auto oldest = ipc::atomic(control->published).load(std::memory_order_seq_cst);
-    if (oldest > kMaxBuckets) {
-      fail(ErrorCode::HeaderCorrupt, "channel ", Quoted{channel}, " claims ", oldest,
+  // How many buckets the producer published, checked. Seq_cst: after our claim, the loads
+  // that follow it see a slot the producer started rewriting (see attach()).
+  std::uint64_t published() {
+    auto published = ipc::atomic(control->published).load(std::memory_order_seq_cst);
+    if (published > kMaxBuckets) {
+      fail(ErrorCode::HeaderCorrupt, "channel ", Quoted{channel}, " claims ", published,
            " published buckets, past the limit of ", kMaxBuckets);
     }
+    return published;
+  }
+
+  // The oldest bucket still in a slot, or the next to be published when none is.
+  std::uint64_t oldest_available() {
+    auto oldest = published();
     for (std::uint32_t s = 0; s < slot_count; ++s) {
       auto g = ipc::atomic(generation(s)).load(std::memory_order_seq_cst);
       if (ipc::holds_bucket(g)) oldest = std::min(oldest, ipc::bucket_in(g));
     }
     return oldest;
+  }
+
+  // The first bucket of the oldest update the slots hold the beginning of, or the next to be
+  // published when none: where a consumer of whole updates starts, leaving the producer free
+  // to reuse the slots it would skip.
+  std::uint64_t first_update_start() {
+    auto start = published();
+    for (const auto& held_bucket : held()) {
+      if (held_bucket.place.bucket_index == 0) start = std::min(start, held_bucket.bucket);
+    }
+    return start;
+  }
+
+  // The slot holding `bucket`: slot bucket % slots first, where `block` puts it.
+  std::optional<std::uint32_t> slot_holding(std::uint64_t bucket) {
+    auto expected = ipc::generation_of(bucket);
+    auto first = static_cast<std::uint32_t>(bucket % slot_count);
+    if (ipc::atomic(generation(first)).load(std::memory_order_acquire) == expected) return first;
+    for (std::uint32_t s = 0; s < slot_count; ++s) {
+      if (s != first && ipc::atomic(generation(s)).load(std::memory_order_acquire) == expected) return s;
+    }
+    return std::nullopt;
+  }
+
+  // Slot `s`'s place in its update, read as the producer wrote it.
+  ipc::SlotUpdate place_in(std::uint32_t s) {
+    auto& place = control->slot_updates[s];
+    return {ipc::atomic(place.version).load(std::memory_order_relaxed),
+            ipc::atomic(place.bucket_index).load(std::memory_order_relaxed),
+            ipc::atomic(place.bucket_count).load(std::memory_order_relaxed),
+            ipc::atomic(place.ordinal).load(std::memory_order_relaxed)};
+  }
+
+  // The buckets the slots hold now, each with its place read under its generation (a
+  // seqlock: the generation, the place, a fence, the generation again).
+  std::vector<HeldBucket> held() {
+    std::vector<HeldBucket> out;
+    for (std::uint32_t s = 0; s < slot_count; ++s) {
+      // Seq_cst, as in oldest_available().
+      auto g = ipc::atomic(generation(s)).load(std::memory_order_seq_cst);
+      if (!ipc::holds_bucket(g)) continue;
+      auto place = place_in(s);
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (ipc::atomic(generation(s)).load(std::memory_order_relaxed) == g) out.push_back({s, ipc::bucket_in(g), place});
+    }
+    return out;
+  }
+
+  // The first bucket of the newest update whose every bucket the slots hold, if any.
+  static std::optional<std::uint64_t> newest_complete_update(const std::vector<HeldBucket>& held) {
+    std::optional<std::uint64_t> newest;
+    for (const auto& first : held) {
+      if (first.place.bucket_index != 0 || (newest && *newest >= first.bucket)) continue;
+      bool complete = true;
+      for (std::uint32_t k = 1; k < first.place.bucket_count && complete; ++k) {
+        complete = std::ranges::any_of(held, [&](const HeldBucket& other) {
+          return other.bucket == first.bucket + k && other.place.bucket_index == k &&
+                 other.place.bucket_count == first.place.bucket_count && other.place.version == first.place.version &&
+                 other.place.ordinal == first.place.ordinal;
+        });
+      }
+      if (complete) newest = first.bucket;
+    }
+    return newest;
+  }
+
+  // Under `latest`, between updates: on to the newest complete update, when one is newer than
+  // where we stand.
+  void skip_to_newest_update() {
+    auto newest = newest_complete_update(held());
+    if (newest && *newest > next_bucket) {
+      set_next_bucket(*newest);
+      position = Position::AtBoundary;
+    }
+  }
+
+  // `bucket` was published and no slot holds it any more: on to the oldest bucket held after
+  // it (or the next to be published), in the middle of an update that is lost to us.
+  void skip_lost(std::uint64_t bucket, std::uint64_t published_now) {
+    auto next = published_now;
+    for (const auto& other : held()) {
+      if (other.bucket > bucket) next = std::min(next, other.bucket);
+    }
+    set_next_bucket(std::max(next, bucket + 1));
+    if (whole_updates) position = Position::Unsynced;
   }
 
   void release(std::uint32_t s, std::uint64_t expected_generation) {
@@ -274,6 +389,7 @@ struct detail::SubscriberState {
       // Blocks every reuse of a slot from the claim on, until we choose where to start.
       ipc::atomic(candidate.next_bucket).store(0, std::memory_order_seq_cst);
       ipc::store_label(candidate.process, ipc::this_process());
+      ipc::atomic(candidate.next_update).store(0, std::memory_order_relaxed);
       auto claims = ipc::atomic(control->claims).fetch_add(1, std::memory_order_relaxed) + 1;
       auto mine = ipc::make_claim(claims % ipc::kTokenLimit == 0 ? 1 : claims % ipc::kTokenLimit, 0);
       auto claim = ipc::atomic(candidate.claim).load(std::memory_order_seq_cst);
@@ -311,49 +427,70 @@ struct detail::Lease {
   }
 };
 
-Subscriber Subscriber::attach(std::string_view channel, std::chrono::milliseconds timeout,
-                              std::optional<PayloadLocation::Kind> expected) {
-  ipc::validate_channel_name(channel);
+namespace {
+
+// The channel's control segment, once a live producer made it: a dead producer's leftovers are
+// removed (unless someone else is at it) and waited past, as is a channel being closed.
+// ChannelMissing at the deadline.
+ipc::Segment open_live_channel(std::string_view channel, std::chrono::milliseconds timeout) {
   auto name = ipc::control_segment_name(channel);
   auto deadline = ipc::deadline_after(timeout);
-  std::optional<ipc::Segment> segment;
+  std::string last_seen;  // why the last look found no channel, for the error
   for (;;) {
+    std::optional<ipc::Segment> segment;
     try {
       segment = ipc::Segment::open(name, sizeof(ipc::ControlBlock), true, ipc::Locks::kKept);
     } catch (const Error& e) {
       // A producer creates the object, then sizes it: too small may just mean too early.
       if (e.code() != ErrorCode::SystemError) throw;
-      if (Clock::now() >= deadline) {
-        fail(ErrorCode::ChannelMissing, "channel ", Quoted{channel}, " did not appear within ",
-             timeout.count(), " ms: ", e.what());
-      }
-      segment.reset();
+      last_seen = std::string(": ") + e.what();
     }
     if (segment) {
       auto* control = reinterpret_cast<ipc::ControlBlock*>(segment->data());
-      if (ipc::atomic(control->magic).load(std::memory_order_acquire) == ipc::kControlMagic) break;
+      // Acquire: the magic is written last, after the producer took its lock.
+      if (ipc::atomic(control->magic).load(std::memory_order_acquire) == ipc::kControlMagic) {
+        bool alive = ipc::held_by_other(segment->descriptor(), ipc::kProducerLockByte);
+        bool closed = ipc::atomic(control->closed).load(std::memory_order_acquire) != 0;
+        if (alive && !closed) return std::move(*segment);
+        if (!alive) {
+          last_seen = "; the leftovers of its dead producer (" + std::string("pid ") +
+                      std::to_string(ipc::load_label(control->producer).pid) + ") were removed";
+          ipc::remove_if_dead(channel, name, *segment);
+        } else {
+          last_seen = "; its producer was closing it";
+        }
+      }
     }
     if (Clock::now() >= deadline) {
-      fail(ErrorCode::ChannelMissing, "channel ", Quoted{channel}, " did not appear within ",
-           timeout.count(), " ms");
+      fail(ErrorCode::ChannelMissing, "channel ", Quoted{channel}, " had no live producer within ", timeout.count(),
+           " ms", last_seen);
     }
     // Nothing to wait on before the control block exists: poll.
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
-  auto* control = reinterpret_cast<ipc::ControlBlock*>(segment->data());
+}
+
+std::shared_ptr<detail::SubscriberState> attach_state(std::string_view channel, std::chrono::milliseconds timeout,
+                                                      const SubscribeOptions& options) {
+  auto segment = open_live_channel(channel, timeout);
+  auto* control = reinterpret_cast<ipc::ControlBlock*>(segment.data());
   // Read once: what we check is what we use.
   auto layout_version = ipc::atomic(control->layout_version).load(std::memory_order_relaxed);
   std::uint32_t slot_count = ipc::atomic(control->slot_count).load(std::memory_order_relaxed);
   std::uint32_t max_consumers = ipc::atomic(control->max_consumers).load(std::memory_order_relaxed);
   auto home = ipc::atomic(control->payload_home).load(std::memory_order_relaxed);
+  auto policy = ipc::atomic(control->policy).load(std::memory_order_relaxed);
   if (layout_version != ipc::kControlLayoutVersion || slot_count < 1 || slot_count > ipc::kMaxSlots ||
       max_consumers < 1 || max_consumers > ipc::kMaxConsumers ||
-      home > static_cast<std::uint16_t>(ipc::PayloadHome::kCuda)) {
+      home > static_cast<std::uint16_t>(ipc::PayloadHome::kCuda) ||
+      policy > static_cast<std::uint16_t>(ipc::SlotPolicy::kLatest)) {
     fail(ErrorCode::HeaderCorrupt, "channel ", Quoted{channel}, " has an unusable control block (layout ",
-         layout_version, ", ", slot_count, " slots, ", max_consumers, " consumers, payload home ", home, ")");
+         layout_version, ", ", slot_count, " slots, ", max_consumers, " consumers, payload home ", home, ", policy ",
+         policy, ")");
   }
   auto payload_home = static_cast<ipc::PayloadHome>(home);
   auto kind = payload_home == ipc::PayloadHome::kHost ? PayloadLocation::Kind::Host : PayloadLocation::Kind::Cuda;
+  const auto& expected = options.expected_location;
   if (expected && *expected != kind) {
     fail(ErrorCode::LocationMismatch, "channel ", Quoted{channel}, " carries its payloads ",
          kind == PayloadLocation::Kind::Host ? "in host memory" : "on a CUDA device", ", not ",
@@ -362,19 +499,33 @@ Subscriber Subscriber::attach(std::string_view channel, std::chrono::millisecond
   ipc::DeviceUuid device = control->device;  // one copy
   auto where = payload_home == ipc::PayloadHome::kHost ? PayloadLocation::host()
                                                        : PayloadLocation::cuda(ipc::device_ordinal(device));
-  auto state = std::make_shared<detail::SubscriberState>(std::string(channel), std::move(*segment), slot_count,
-                                                         payload_home, where, device);
+  auto incarnation = ipc::atomic(control->incarnation).load(std::memory_order_relaxed);
+  auto state = std::make_shared<detail::SubscriberState>(std::string(channel), std::move(segment), slot_count,
+                                                         payload_home, static_cast<ipc::SlotPolicy>(policy),
+                                                         incarnation, options.whole_updates, where, device);
   state->claim_record(max_consumers);
   TENSORBUCKET_TEST_HOOK(after_claim);
   // Claimed, with next_bucket 0, before choosing where to start: the producer cannot reuse
   // the oldest slot between our look at it and our cursor landing on it. If it claimed a slot
   // before seeing our claim, our look (after the claim, seq_cst) sees that slot odd.
-  state->set_next_bucket(state->oldest_available());
+  state->set_next_bucket(options.whole_updates ? state->first_update_start() : state->oldest_available());
   ipc::futex_bump_and_wake(control->producer_wake);
-  return Subscriber(std::move(state));
+  return state;
 }
 
-Subscriber::Subscriber(std::shared_ptr<detail::SubscriberState> state) : state_(std::move(state)) {}
+// Every code a bucket that failed verification throws with: such a bucket was skipped.
+bool skipped_bucket(ErrorCode code) { return code != ErrorCode::ProducerGone && code != ErrorCode::SystemError; }
+
+}  // namespace
+
+Subscriber Subscriber::attach(std::string_view channel, std::chrono::milliseconds timeout,
+                              const SubscribeOptions& options) {
+  ipc::validate_channel_name(channel);
+  return Subscriber(attach_state(channel, timeout, options), options);
+}
+
+Subscriber::Subscriber(std::shared_ptr<detail::SubscriberState> state, const SubscribeOptions& options)
+    : state_(std::move(state)), options_(options) {}
 Subscriber::Subscriber(Subscriber&&) noexcept = default;
 Subscriber& Subscriber::operator=(Subscriber&&) noexcept = default;
 Subscriber::~Subscriber() = default;
@@ -383,28 +534,41 @@ std::optional<ReceivedBucket> Subscriber::try_next(const VerifyOptions& options)
   return next(std::chrono::milliseconds(0), options);
 }
 
-std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout,
-                                               const VerifyOptions& options, CudaStream stream) {
-  auto& state = *state_;
-  if (state.forked()) {
-    fail(ErrorCode::InvalidArgument, "this consumer of channel ", Quoted{state.channel},
-         " belongs to process ", state.owner.pid(), "; process ", ::getpid(),
-         " was forked from it and must attach on its own");
-  }
+std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::SubscriberState>& owner,
+                                                  std::chrono::milliseconds timeout, const VerifyOptions& options,
+                                                  CudaStream stream) {
+  using Position = detail::SubscriberState::Position;
+  auto& state = *owner;
   auto* control = state.control;
   auto start = Clock::now();
   auto deadline = ipc::deadline_after(timeout);
-  std::optional<Clock::time_point> writing_since;  // when we first saw the slot being written
+  std::optional<Clock::time_point> writing_since;  // when we first saw a slot being written
   for (;;) {
     state.refuse_if_control_damaged();
     auto wake = ipc::wake_count(control->consumer_wake);
+    if (state.policy == ipc::SlotPolicy::kLatest && state.position != Position::InUpdate) {
+      state.skip_to_newest_update();
+    }
+    // Published first, then the slots: a bucket counted as published is found in one, or
+    // was overwritten since.
+    auto published = state.published();
     auto bucket = state.next_bucket;
-    auto s = static_cast<std::uint32_t>(bucket % state.slot_count);
     auto expected = ipc::generation_of(bucket);
-    auto& generation = state.generation(s);
-    auto g = ipc::atomic(generation).load(std::memory_order_acquire);
+    auto held_in = state.slot_holding(bucket);
 
-    if (g == expected) {
+    if (held_in) {
+      auto s = *held_in;
+      auto& generation = state.generation(s);
+      // A joiner skips to an update's first bucket; the place read is confirmed by the
+      // generation after it (and the manifest decides, below).
+      if (state.position == Position::Unsynced) {
+        auto place = state.place_in(s);
+        std::atomic_thread_fence(std::memory_order_acquire);
+        if (ipc::atomic(generation).load(std::memory_order_relaxed) == expected && place.bucket_index != 0) {
+          state.set_next_bucket(bucket + 1);
+          continue;
+        }
+      }
       // Take the lease, then confirm the producer did not start rewriting meanwhile.
       if (!state.set_lease(s, true)) state.fail_record_taken();
       if (ipc::atomic(generation).load(std::memory_order_seq_cst) != expected) {
@@ -413,9 +577,10 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
         continue;
       }
       // Built in place: a Lease releases its slot when destroyed, temporaries included.
-      auto lease = std::make_unique<detail::Lease>(state_, s, expected);
+      auto lease = std::make_unique<detail::Lease>(owner, s, expected);
       // Whatever happens below, this bucket is done for us: advance before anything throws.
       state.set_next_bucket(bucket + 1);
+      auto place = state.place_in(s);  // stable while leased
       lease->mapping = state.map_slot(s);
       lease->stream = stream;
       const auto& mapping = lease->mapping;
@@ -429,6 +594,7 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
           if (e.code() != ErrorCode::ManifestMismatch) {
             ipc::atomic(control->slots[s].manifest_doubt).store(1, std::memory_order_relaxed);
           }
+          if (state.whole_updates) state.position = Position::Unsynced;  // its update is lost to us
           throw;
         }
       }();
@@ -440,24 +606,28 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
         fail(ErrorCode::Torn, "the segment of slot ", s, " of channel ", Quoted{state.channel},
              " was truncated by another process while bucket ", bucket, " was read");
       }
+      if (state.position == Position::Unsynced && view.bucket_index() != 0) continue;  // released on the way
       if (mapping.imported) state.ready_on_device(mapping, view, options, stream, bucket);
-      return ReceivedBucket(std::move(view), bucket, shared.publish_start_ns, shared.published_ns,
+      bool ends_update = view.bucket_index() + 1 == view.bucket_count();
+      state.position = ends_update ? Position::AtBoundary : Position::InUpdate;
+      ipc::atomic(state.record->next_update).store(place.ordinal + (ends_update ? 1 : 0), std::memory_order_relaxed);
+      return ReceivedBucket(std::move(view), bucket, state.incarnation, shared.publish_start_ns, shared.published_ns,
                             std::move(lease));
     }
-    if (g > expected + 1) {
-      // Bucket `bucket` was overwritten before we registered: start from what is still held.
-      // When nothing later is held, the slot's generation ran ahead of `published` (the
-      // producer stores it just before) or was damaged: wait, as for an unpublished bucket.
-      auto oldest = state.oldest_available();
-      if (oldest > bucket) {
-        state.set_next_bucket(oldest);
-        if (Clock::now() >= deadline) return std::nullopt;
-        continue;
-      }
+    if (bucket < published) {
+      // Published, and no slot holds it any more: overwritten before we came (a joiner, or
+      // any consumer under `latest`). On to what is still held.
+      state.skip_lost(bucket, published);
+      if (Clock::now() >= deadline) return std::nullopt;
+      continue;
     }
     // Not published yet (or the producer is probing the slot and will back off for us).
     auto now = Clock::now();
-    if (ipc::being_written(g) && !writing_since) writing_since = now;
+    bool writing = false;
+    for (std::uint32_t s = 0; s < state.slot_count && !writing; ++s) {
+      writing = ipc::being_written(ipc::atomic(state.generation(s)).load(std::memory_order_relaxed));
+    }
+    if (writing && !writing_since) writing_since = now;
     bool spin = now - start < kSpin || (writing_since && now - *writing_since < kWriteSpin);
     if (spin && now < deadline) {
       ipc::cpu_relax();
@@ -465,7 +635,7 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
     }
     if (!state.record_is_ours()) state.fail_record_taken();
     if (state.producer_gone(now)) {
-      if (ipc::atomic(generation).load(std::memory_order_acquire) == expected) continue;
+      if (state.slot_holding(bucket)) continue;
       fail(ErrorCode::ProducerGone, "producer of channel ", Quoted{state.channel},
            " is gone; every published bucket was received");
     }
@@ -475,13 +645,114 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
   }
 }
 
-const std::string& Subscriber::channel() const noexcept { return state_->channel; }
+std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout,
+                                               const VerifyOptions& options, CudaStream stream) {
+  auto& state = *state_;
+  if (state.forked()) {
+    fail(ErrorCode::InvalidArgument, "this consumer of channel ", Quoted{state.channel},
+         " belongs to process ", state.owner.pid(), "; process ", ::getpid(),
+         " was forked from it and must attach on its own");
+  }
+  if (producer_gone_ && options_.follow_restarts) {
+    // The next producer of the channel, within this call's timeout; nothing arrived when none came.
+    try {
+      state_ = attach_state(state.channel, timeout, options_);
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::ChannelMissing) throw;
+      return std::nullopt;
+    }
+    producer_gone_ = false;
+    pending_.clear();
+    return next(timeout, options, stream);
+  }
+  try {
+    return receive(state_, timeout, options, stream);
+  } catch (const Error& e) {
+    if (e.code() == ErrorCode::ProducerGone) producer_gone_ = true;
+    throw;
+  }
+}
 
-ReceivedBucket::ReceivedBucket(BucketView view, std::uint64_t sequence,
+std::optional<ReceivedUpdate> Subscriber::next_update(std::chrono::milliseconds timeout, const VerifyOptions& options,
+                                                      CudaStream stream) {
+  auto deadline = ipc::deadline_after(timeout);
+  VerifyOptions each = options;
+  each.expected = nullptr;  // a bucket is part of the model: checked against it as a whole below
+  for (;;) {
+    auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
+    std::optional<ReceivedBucket> bucket;
+    try {
+      bucket = next(std::max(left, std::chrono::milliseconds(0)), each, stream);
+    } catch (const Error& e) {
+      if (skipped_bucket(e.code()) || e.code() == ErrorCode::ProducerGone) pending_.clear();
+      throw;
+    }
+    if (!bucket) return std::nullopt;
+    const auto& view = bucket->view();
+    if (view.bucket_count() > state_->slot_count) {
+      pending_.clear();
+      fail(ErrorCode::InvalidArgument, "version ", view.version(), " on channel ", Quoted{state_->channel}, " has ",
+           view.bucket_count(), " buckets but the channel ", state_->slot_count,
+           " slots: next_update() holds a whole update at once, so the channel needs slots >= ", view.bucket_count(),
+           " (take its buckets one by one with next())");
+    }
+    if (view.bucket_index() == 0) pending_.clear();  // an update left unfinished is dropped
+    if (view.bucket_index() != 0) {
+      const auto* last = pending_.empty() ? nullptr : &pending_.back();
+      bool follows = last != nullptr && last->incarnation() == bucket->incarnation() &&
+                     last->sequence() + 1 == bucket->sequence() && last->view().version() == view.version() &&
+                     last->view().bucket_count() == view.bucket_count() &&
+                     last->view().bucket_index() + 1 == view.bucket_index();
+      if (!follows) {  // the rest of an update we cannot have whole
+        pending_.clear();
+        continue;
+      }
+    }
+    pending_.push_back(std::move(*bucket));
+    if (pending_.size() < pending_.front().view().bucket_count()) continue;
+    ReceivedUpdate update(std::exchange(pending_, {}));
+    if (options.expected != nullptr) check_expected(update.manifest(), *options.expected);
+    return update;
+  }
+}
+
+const std::string& Subscriber::channel() const noexcept { return state_->channel; }
+std::uint64_t Subscriber::incarnation() const noexcept { return state_->incarnation; }
+OverflowPolicy Subscriber::policy() const noexcept {
+  return state_->policy == ipc::SlotPolicy::kLatest ? OverflowPolicy::Latest : OverflowPolicy::Block;
+}
+
+Manifest ReceivedUpdate::manifest() const {
+  Manifest together;
+  together.version = version();
+  std::unordered_map<std::string_view, std::uint32_t> bucket_of;
+  for (const auto& bucket : buckets_) {
+    const auto& view = bucket.view();
+    for (const auto& entry : view.manifest().entries) {
+      auto [where, added] = bucket_of.emplace(entry.name, view.bucket_index());
+      if (!added) {
+        fail(ErrorCode::DuplicateName, "entry ", Quoted{entry.name}, " is in buckets ", where->second, " and ",
+             view.bucket_index(), " of version ", version());
+      }
+      together.entries.push_back(entry);
+    }
+  }
+  return together;
+}
+
+void ReceivedUpdate::release() noexcept {
+  for (auto& bucket : buckets_) bucket.release();
+}
+void ReceivedUpdate::release(CudaStream stream) noexcept {
+  for (auto& bucket : buckets_) bucket.release(stream);
+}
+
+ReceivedBucket::ReceivedBucket(BucketView view, std::uint64_t sequence, std::uint64_t incarnation,
                                std::uint64_t publish_start_ns, std::uint64_t published_ns,
                                std::unique_ptr<detail::Lease> lease)
     : view_(std::move(view)),
       sequence_(sequence),
+      incarnation_(incarnation),
       publish_start_ns_(publish_start_ns),
       published_ns_(published_ns),
       lease_(std::move(lease)) {}

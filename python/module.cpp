@@ -587,7 +587,7 @@ class PySubscriber {
                            std::optional<PayloadLocation::Kind> expected) {
     auto attached = wait_until(deadline_in(timeout), [&](auto slice) -> std::optional<Subscriber> {
       try {
-        return Subscriber::attach(channel, slice, expected);
+        return Subscriber::attach(channel, slice, {.expected_location = expected});
       } catch (const Error& e) {
         if (e.code() != ErrorCode::ChannelMissing) throw;
         return std::nullopt;  // not there yet

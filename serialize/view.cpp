@@ -78,7 +78,13 @@ BucketView BucketView::open(std::span<const std::byte> frame, std::span<const st
   // Decoded and verified above, so the fields are there; a cached layout did not check them.
   auto identity = detail::read_identity(encoded);
   detail::check_identity(identity);
-  if (options.expected != nullptr) check_expected(verified->manifest, *options.expected);
+  if (options.expected != nullptr) {
+    if (identity.bucket_count == 1) {
+      check_expected(verified->manifest, *options.expected);
+    } else {
+      check_expected_part(verified->manifest, *options.expected);
+    }
+  }
   if ((header.flags & kPayloadChecksum) && options.check_payload_checksum && location.on_host()) {
     auto hash = (header.flags & kPayloadBlockHash) ? block_hash::hash_of(payload) : xxh3(payload);
     if (hash != header.payload_xxh3) {

@@ -155,6 +155,56 @@ TEST_F(Cli, ProducerAndVerifyingConsumersExitZero) {
   EXPECT_EQ(lines.find("\"ok\":false"), std::string::npos) << lines;
 }
 
+TEST_F(Cli, ConsumerOfWholeUpdatesPrintsOneLinePerUpdate) {
+  Tbucket consumer({"consume", "--channel", channel, "--updates", "--buckets", "5", "--verify", "--json"});
+  EXPECT_EQ(run({"produce", "--channel", channel, "--buckets", "20", "--update-buckets", "4", "--slots", "4",
+                 "--tensors", "3", "--tensor-bytes", "512"}),
+            0);
+  EXPECT_EQ(consumer.finish(), 0) << consumer.err();
+  auto lines = consumer.out();
+  EXPECT_EQ(std::count(lines.begin(), lines.end(), '\n'), 5) << lines;
+  EXPECT_NE(lines.find("{\"version\":4,\"buckets\":4,\"first_index\":16,\"incarnation\":"), std::string::npos) << lines;
+  EXPECT_EQ(lines.find("\"ok\":false"), std::string::npos) << lines;
+}
+
+TEST_F(Cli, LatestProducerNeverWaitsForASlowConsumer) {
+  expect_usage_error({"produce", "--channel", channel, "--policy", "newest"}, "newest");
+  // Too few slots for the rule: refused before anything is created.
+  Tbucket refused({"produce", "--channel", channel, "--policy", "latest", "--slots", "2"});
+  EXPECT_EQ(refused.finish(), 2);
+  EXPECT_NE(refused.err().find("needs slots >= (max_consumers + 1) x update_buckets = 9"), std::string::npos)
+      << refused.err();
+  // A consumer that holds its first update while the producer publishes all 200 buckets, which
+  // a `block` channel would stop at its 6th.
+  Tbucket producer({"produce", "--channel", channel, "--policy", "latest", "--slots", "6", "--max-consumers", "2",
+                    "--update-buckets", "2", "--buckets", "200", "--interval-ms", "1"});
+  auto subscriber = Subscriber::attach(channel, 10s);
+  auto held = subscriber.next_update(10s);
+  ASSERT_TRUE(held.has_value());
+  auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (inspect_channel(channel).published < 200 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(5ms);
+  }
+  EXPECT_EQ(inspect_channel(channel).published, 200u);
+  EXPECT_EQ(cli::check_bucket(held->buckets()[0].view(), 1, held->first_sequence()), "");  // never overwritten
+  held.reset();
+  auto newest = subscriber.next_update(10s);  // lets the producer's final drain end
+  ASSERT_TRUE(newest.has_value());
+  EXPECT_EQ(newest->version(), 99u);
+  newest.reset();
+  EXPECT_EQ(producer.finish(), 0) << producer.err();
+}
+
+TEST_F(Cli, FollowingConsumerGoesOnWithTheNextProducer) {
+  Tbucket consumer({"consume", "--channel", channel, "--updates", "--follow", "--buckets", "6", "--verify"});
+  EXPECT_EQ(run({"produce", "--channel", channel, "--buckets", "6", "--update-buckets", "2", "--slots", "2"}), 0);
+  EXPECT_EQ(run({"produce", "--channel", channel, "--buckets", "6", "--update-buckets", "2", "--slots", "2"}), 0);
+  EXPECT_EQ(consumer.finish(), 0) << consumer.err();
+  auto lines = consumer.out();
+  EXPECT_EQ(std::count(lines.begin(), lines.end(), '\n'), 6) << lines;
+  EXPECT_NE(consumer.err().find("waiting for its next producer"), std::string::npos) << consumer.err();
+}
+
 TEST_F(Cli, DeviceOptionsAreCheckedAndAHostConsumerOfADeviceChannelIsRefused) {
   expect_usage_error({"produce", "--channel", channel, "--device", "gpu0"}, "'gpu0' is not 'host', 'cuda' or 'cuda:N'");
   expect_usage_error({"consume", "--channel", channel, "--device", "cuda:x"}, "'cuda:x'");
@@ -345,25 +395,29 @@ TEST_F(Cli, LongestTimeoutWaitsWithoutLimit) {
 }
 
 TEST_F(Cli, InspectShowsTheChannel) {
-  cli::Workload workload{.tensors = 2, .tensor_bytes = 64};
-  auto publisher = Publisher::create(channel, {.slots = 2});
+  cli::Workload workload{.tensors = 2, .tensor_bytes = 64, .update_buckets = 2};
+  auto publisher = Publisher::create(channel, {.slots = 3});
   auto subscriber = Subscriber::attach(channel, 1s);
   ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 1s));
   auto bucket = subscriber.next(1s);
   ASSERT_TRUE(bucket.has_value());
+  ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 1).builder, 1s));
+  ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 2).builder, 1s));
   auto pid = std::to_string(::getpid());
 
   Tbucket json({"inspect", "--channel", channel, "--json"});
   ASSERT_EQ(json.finish(), 0);
   auto text = json.out();
   for (const auto& expected :
-       {"\"channel\":\"" + channel + "\"", std::string("\"slots\":2,\"max_consumers\":8,\"min_consumers\":1"),
+       {"\"channel\":\"" + channel + "\"", std::string("\"slots\":3,\"max_consumers\":8,\"min_consumers\":1"),
         "\"producer\":{\"pid\":" + pid + ",\"incarnation\":", std::string(",\"pid_elsewhere\":false,\"alive\":true}"),
-        std::string("\"location\":\"host\""), std::string("\"epoch\":1,\"payload_capacity\":"),
-        std::string("\"published\":1"), std::string("{\"slot\":0,\"generation\":2,\"bucket\":0,"),
+        std::string("\"location\":\"host\",\"policy\":\"block\",\"update_buckets\":1"),
+        std::string("\"epoch\":1,\"payload_capacity\":"), std::string("\"published\":3,\"updates\":2"),
+        std::string("{\"slot\":0,\"generation\":2,\"bucket\":0,"),
+        std::string("\"version\":0,\"bucket_index\":0,\"bucket_count\":2}"),
         "\"consumers\":[{\"record\":0,\"pid\":" + pid + ",\"pid_elsewhere\":false,\"alive\":true,"
-        "\"next_bucket\":1,\"held_slots\":1}]",
-        std::string("\"newest_manifest\":{\"version\":0,\"bucket_index\":0,\"bucket_count\":10,\"entries\":2,")}) {
+        "\"next_bucket\":1,\"lag_buckets\":2,\"lag_updates\":2,\"held_slots\":1}]",
+        std::string("\"newest_manifest\":{\"version\":1,\"bucket_index\":0,\"bucket_count\":2,\"entries\":2,")}) {
     EXPECT_NE(text.find(expected), std::string::npos) << expected << " not in " << text;
   }
 
@@ -371,10 +425,13 @@ TEST_F(Cli, InspectShowsTheChannel) {
   ASSERT_EQ(plain.finish(), 0);
   text = plain.out();
   EXPECT_NE(text.find("producer   pid " + pid + ", incarnation "), std::string::npos) << text;
-  EXPECT_NE(text.find(", alive, 1 buckets published"), std::string::npos) << text;
+  EXPECT_NE(text.find(", alive, 3 buckets published, 2 updates begun"), std::string::npos) << text;
+  EXPECT_NE(text.find("policy block, up to 1 buckets per update"), std::string::npos) << text;
+  EXPECT_NE(text.find("bucket 0 (version 0, bucket index 0 of 2)"), std::string::npos) << text;
   EXPECT_NE(text.find("payloads   in host shared memory"), std::string::npos) << text;
   EXPECT_NE(text.find("epoch 1, 4096 payload bytes"), std::string::npos) << text;
-  EXPECT_NE(text.find("consumer   record 0: pid " + pid + ", alive, next bucket 1, leases 0x1"),
+  EXPECT_NE(text.find("consumer   record 0: pid " + pid + ", alive, next bucket 1, 2 buckets and 2 updates behind, "
+                      "leases 0x1"),
             std::string::npos) << text;
   EXPECT_EQ(run({"inspect", "--channel", channel + "-missing"}), 6);
 }

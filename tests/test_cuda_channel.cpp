@@ -84,7 +84,7 @@ int produce(const std::string& channel, int device, std::uint64_t buckets, std::
 // `attached`, when given. The exit status says how it went.
 int consume(const std::string& channel, std::uint64_t buckets, std::uint64_t imports, Signal* attached = nullptr) {
   std::string error;
-  auto subscriber = Subscriber::attach(channel, 60s, PayloadLocation::Kind::Cuda);
+  auto subscriber = Subscriber::attach(channel, 60s, {.expected_location = PayloadLocation::Kind::Cuda});
   if (attached != nullptr) attached->send();
   if (!cuda::select_device(subscriber.location().device, error)) return 20;
   auto* stream = cuda::make_stream(error);

@@ -44,7 +44,7 @@ TEST_F(DeviceChannel, ForkedConsumerReceivesEveryByteOfEveryBucket) {
   Workload workload{.buckets = 60, .tensors = 12, .tensor_bytes = 3000};
   auto publisher = Publisher::create(channel, on_device());
   Child consumer([&] {
-    auto subscriber = Subscriber::attach(channel, 10s, PayloadLocation::Kind::Cuda);
+    auto subscriber = Subscriber::attach(channel, 10s, {.expected_location = PayloadLocation::Kind::Cuda});
     for (std::uint64_t i = 0; i < workload.buckets; ++i) {
       auto bucket = subscriber.next(10s);
       if (!bucket || bucket->sequence() != i) return 3;
@@ -240,11 +240,11 @@ TEST_F(DeviceChannel, ConsumerWithoutTheDeviceIsToldItIsNotVisible) {
 TEST_F(DeviceChannel, ConsumersAskingForAnotherLocationAreRefused) {
   auto device = Publisher::create(channel, on_device());
   auto message = expect_error(ErrorCode::LocationMismatch,
-                              [&] { Subscriber::attach(channel, 1s, PayloadLocation::Kind::Host); });
+                              [&] { Subscriber::attach(channel, 1s, {.expected_location = PayloadLocation::Kind::Host}); });
   EXPECT_NE(message.find("on a CUDA device, not in host memory"), std::string::npos) << message;
   device.close();
   auto host = Publisher::create(channel);
-  expect_error(ErrorCode::LocationMismatch, [&] { Subscriber::attach(channel, 1s, PayloadLocation::Kind::Cuda); });
+  expect_error(ErrorCode::LocationMismatch, [&] { Subscriber::attach(channel, 1s, {.expected_location = PayloadLocation::Kind::Cuda}); });
   // Refused before claiming: every record is still free.
   EXPECT_TRUE(inspect_channel(channel).consumers.empty());
 }

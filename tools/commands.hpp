@@ -16,6 +16,8 @@ struct ProduceOptions {
   Workload workload;
   std::uint32_t slots = 2;
   std::uint32_t consumers = 1;  // min_consumers
+  std::uint32_t max_consumers = 8;
+  std::string policy = "block";  // or latest
   bool checksum = false;
   bool in_place = false;
   std::string device = "host";  // where the payloads live: host, cuda, cuda:N
@@ -25,9 +27,11 @@ struct ProduceOptions {
 
 struct ConsumeOptions {
   std::string channel;
-  std::uint64_t buckets = 0;  // 0: until the producer is gone
+  std::uint64_t buckets = 0;  // 0: until the producer is gone; updates with `updates`
   std::uint64_t seed = 1;
   bool verify = false;
+  bool updates = false;  // whole updates (next_update), one line each
+  bool follow = false;   // go on with the channel's next producer after one is gone
   std::string device;  // empty: wherever the channel has them; else host, cuda, cuda:N
   std::uint64_t timeout_ms = 10000;
   bool json = false;

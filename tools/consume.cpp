@@ -1,5 +1,8 @@
 #include <cstdio>
 #include <ctime>
+#include <optional>
+#include <span>
+#include <string>
 
 #include "commands.hpp"
 #include "exit_codes.hpp"
@@ -18,16 +21,65 @@ std::uint64_t monotonic_ns() {
   return static_cast<std::uint64_t>(now.tv_sec) * 1'000'000'000u + static_cast<std::uint64_t>(now.tv_nsec);
 }
 
+// What one line reports: a bucket, or a whole update of them.
+struct Line {
+  std::uint64_t sequence = 0;  // of the (first) bucket
+  std::uint64_t version = 0;
+  std::uint64_t incarnation = 0;
+  std::size_t buckets = 0;
+  std::size_t entries = 0;
+  std::uint64_t bytes = 0;
+  double latency_us = 0;  // from the start of publish of the (first) bucket
+  std::string problem;    // what --verify found wrong
+};
+
+void add(Line& line, const ReceivedBucket& bucket, const ConsumeOptions& options) {
+  const auto& view = bucket.view();
+  if (line.buckets++ == 0) {
+    line.sequence = bucket.sequence();
+    line.version = view.version();
+    line.incarnation = bucket.incarnation();
+    line.latency_us = static_cast<double>(monotonic_ns() - bucket.publish_start_ns()) / 1000;
+  }
+  line.entries += view.size();
+  for (std::size_t i = 0; i < view.size(); ++i) line.bytes += view[i].bytes.size();
+  if (!options.verify || !line.problem.empty()) return;
+  line.problem = view.location().on_host() ? check_bucket(view, options.seed, bucket.sequence())
+                                           : check_bucket(view, options.seed, bucket.sequence(), bucket.copy_to_host());
+}
+
+void print(const Line& line, const ConsumeOptions& options) {
+  const char* ok = line.problem.empty() ? "true" : "false";
+  auto u = [](std::uint64_t value) { return static_cast<unsigned long long>(value); };
+  if (options.json && options.updates) {
+    std::printf("{\"version\":%llu,\"buckets\":%zu,\"first_index\":%llu,\"incarnation\":%llu,\"entries\":%zu,"
+                "\"bytes\":%llu,\"latency_us\":%.1f,\"ok\":%s}\n",
+                u(line.version), line.buckets, u(line.sequence), u(line.incarnation), line.entries, u(line.bytes),
+                line.latency_us, ok);
+  } else if (options.json) {
+    std::printf("{\"index\":%llu,\"version\":%llu,\"entries\":%zu,\"bytes\":%llu,\"latency_us\":%.1f,\"ok\":%s}\n",
+                u(line.sequence), u(line.version), line.entries, u(line.bytes), line.latency_us, ok);
+  } else {
+    auto what = options.updates ? "update " + std::to_string(line.version) + ": " + std::to_string(line.buckets) +
+                                      " buckets from " + std::to_string(line.sequence) + ", "
+                                : "bucket " + std::to_string(line.sequence) + ": version " +
+                                      std::to_string(line.version) + ", ";
+    std::printf("%s%zu entries, %llu bytes, %.1f us%s\n", what.c_str(), line.entries, u(line.bytes),
+                line.latency_us, options.verify ? (line.problem.empty() ? ", verified" : ", MISMATCH") : "");
+  }
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int run_consume(const ConsumeOptions& options) {
   install_stop_handlers();
+  SubscribeOptions subscribe{.whole_updates = options.updates, .follow_restarts = options.follow};
+  if (!options.device.empty()) subscribe.expected_location = PayloadLocation::parse(options.device).kind;
   std::optional<Subscriber> subscriber;
   with_deadline(options.timeout_ms, [&](auto slice) {
     try {
-      std::optional<PayloadLocation::Kind> expected;
-      if (!options.device.empty()) expected = PayloadLocation::parse(options.device).kind;
-      subscriber.emplace(Subscriber::attach(options.channel, slice, expected));
+      subscriber.emplace(Subscriber::attach(options.channel, slice, subscribe));
     } catch (const Error& e) {
       if (e.code() != ErrorCode::ChannelMissing) throw;  // not there yet
     }
@@ -35,50 +87,41 @@ int run_consume(const ConsumeOptions& options) {
   });
   if (stop_signal() != 0) return stopped();
   if (!subscriber) {
-    throw Error(ErrorCode::ChannelMissing, "channel '" + options.channel + "' did not appear within " +
+    throw Error(ErrorCode::ChannelMissing, "channel '" + options.channel + "' had no live producer within " +
                                                std::to_string(options.timeout_ms) + " ms");
   }
   for (std::uint64_t received = 0; options.buckets == 0 || received < options.buckets; ++received) {
-    std::optional<ReceivedBucket> bucket;
+    Line line;
     try {
       with_deadline(options.timeout_ms, [&](auto slice) {
-        bucket = subscriber->next(slice);
-        return bucket.has_value();
+        if (options.updates) {
+          auto update = subscriber->next_update(slice);
+          for (const auto& bucket : update ? update->buckets() : std::span<const ReceivedBucket>{}) add(line, bucket, options);
+        } else if (auto bucket = subscriber->next(slice)) {
+          add(line, *bucket, options);
+        }
+        return line.buckets > 0;
       });
     } catch (const Error& e) {
-      if (e.code() == ErrorCode::ProducerGone && options.buckets == 0) return kOk;
-      throw;
+      if (e.code() != ErrorCode::ProducerGone) throw;
+      if (!options.follow) {
+        if (options.buckets == 0) return kOk;
+        throw;
+      }
+      std::fprintf(stderr, "tbucket: %s; waiting for its next producer\n", e.what());
+      --received;
+      continue;
     }
     if (stop_signal() != 0) return stopped();
-    if (!bucket) {
-      std::fprintf(stderr, "tbucket: Timeout: no bucket arrived on '%s' within %llu ms\n",
-                   options.channel.c_str(), static_cast<unsigned long long>(options.timeout_ms));
+    if (line.buckets == 0) {
+      std::fprintf(stderr, "tbucket: Timeout: no %s arrived on '%s' within %llu ms\n",
+                   options.updates ? "whole update" : "bucket", options.channel.c_str(),
+                   static_cast<unsigned long long>(options.timeout_ms));
       return kTimeout;
     }
-    auto latency_us = static_cast<double>(monotonic_ns() - bucket->publish_start_ns()) / 1000;
-    const auto& view = bucket->view();
-    std::string problem;
-    if (options.verify && view.location().on_host()) problem = check_bucket(view, options.seed, bucket->sequence());
-    if (options.verify && !view.location().on_host()) {
-      problem = check_bucket(view, options.seed, bucket->sequence(), bucket->copy_to_host());
-    }
-    std::uint64_t bytes = 0;
-    for (std::size_t i = 0; i < view.size(); ++i) bytes += view[i].bytes.size();
-    if (options.json) {
-      std::printf("{\"index\":%llu,\"version\":%llu,\"entries\":%zu,\"bytes\":%llu,\"latency_us\":%.1f,\"ok\":%s}\n",
-                  static_cast<unsigned long long>(bucket->sequence()),
-                  static_cast<unsigned long long>(view.version()), view.size(),
-                  static_cast<unsigned long long>(bytes), latency_us, problem.empty() ? "true" : "false");
-    } else {
-      std::printf("bucket %llu: version %llu, %zu entries, %llu bytes, %.1f us%s\n",
-                  static_cast<unsigned long long>(bucket->sequence()),
-                  static_cast<unsigned long long>(view.version()), view.size(),
-                  static_cast<unsigned long long>(bytes), latency_us,
-                  options.verify ? (problem.empty() ? ", verified" : ", MISMATCH") : "");
-    }
-    std::fflush(stdout);
-    if (!problem.empty()) {
-      std::fprintf(stderr, "tbucket: ContentMismatch: %s\n", problem.c_str());
+    print(line, options);
+    if (!line.problem.empty()) {
+      std::fprintf(stderr, "tbucket: ContentMismatch: %s\n", line.problem.c_str());
       return kVerificationFailed;
     }
   }

@@ -58,7 +58,19 @@ int main(int argc, char** argv) {
   produce_command->add_option("--slots", produce.slots, "Slots (buckets in flight)")->check(whole_number(1, 16));
   produce_command->add_option("--consumers", produce.consumers,
                               "Releases each bucket needs before its slot is reused (min_consumers)")
-      ->check(whole_number(0, 8));
+      ->check(whole_number(0, 64));
+  produce_command->add_option("--max-consumers", produce.max_consumers, "Consumer records")
+      ->check(whole_number(1, 64))
+      ->capture_default_str();
+  produce_command->add_option("--update-buckets", produce.workload.update_buckets,
+                              "Buckets per update: bucket i is bucket i % U of version i / U")
+      ->check(whole_number(1, 16))
+      ->capture_default_str();
+  produce_command->add_option("--policy", produce.policy,
+                              "When every slot is still needed: block (wait, lossless) or latest (reuse the "
+                              "oldest slot no consumer leases; needs slots >= (max-consumers + 1) x update-buckets)")
+      ->check(CLI::IsMember({"block", "latest"}))
+      ->capture_default_str();
   produce_command->add_option("--seed", produce.workload.seed, "Seed of the tensors' bytes")->check(whole_number(0, kAny));
   produce_command->add_flag("--checksum", produce.checksum, "Hash every payload");
   produce_command->add_flag("--in-place", produce.in_place, "Write tensors straight into shared memory");
@@ -84,7 +96,11 @@ int main(int argc, char** argv) {
                               "channel's device, found by its UUID)");
   consume_command->add_option("--timeout-ms", consume.timeout_ms, "Longest wait for the channel and for each bucket")
       ->check(whole_number(0, kAny));
-  consume_command->add_flag("--json", consume.json, "One JSON object per bucket");
+  consume_command->add_flag("--json", consume.json, "One JSON object per bucket (or update)");
+  consume_command->add_flag("--updates", consume.updates,
+                            "Receive whole updates, one line each (--buckets then counts updates)");
+  consume_command->add_flag("--follow", consume.follow,
+                            "When the producer is gone, wait for the channel's next one and go on");
 
   cli::InspectOptions inspect;
   auto* inspect_command = app.add_subcommand("inspect", "Show a channel's configuration, slots and consumers");

@@ -15,8 +15,8 @@ std::uint64_t mix(std::uint64_t z) {
 }
 
 void set_bucket_fields(BucketBuilder& builder, const Workload& workload, std::uint64_t index) {
-  builder.version(index).bucket(static_cast<std::uint32_t>(index % workload.buckets),
-                                static_cast<std::uint32_t>(workload.buckets));
+  builder.version(index / workload.update_buckets)
+      .bucket(static_cast<std::uint32_t>(index % workload.update_buckets), workload.update_buckets);
 }
 
 }  // namespace
@@ -68,8 +68,10 @@ BucketBuilder make_layout(const Workload& workload, std::uint64_t index) {
 std::string check_bucket(const BucketView& view, std::uint64_t seed, std::uint64_t index,
                          std::span<const std::byte> payload) {
   auto where = "bucket " + std::to_string(index);
-  if (view.version() != index) {
-    return where + " has version " + std::to_string(view.version());
+  // Its place in its update, as set_bucket_fields() made it.
+  if (view.version() != index / view.bucket_count() || view.bucket_index() != index % view.bucket_count()) {
+    return where + " is bucket " + std::to_string(view.bucket_index()) + " of " + std::to_string(view.bucket_count()) +
+           " of version " + std::to_string(view.version());
   }
   Workload workload{.seed = seed};
   std::vector<std::byte> expected;

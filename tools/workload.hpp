@@ -17,6 +17,7 @@ struct Workload {
   std::uint32_t tensors = 16;
   std::uint64_t tensor_bytes = 4096;  // rounded down to a multiple of 8 (the largest itemsize)
   std::uint64_t seed = 1;
+  std::uint32_t update_buckets = 1;  // bucket i is bucket i % update_buckets of version i / update_buckets
 };
 
 // Tensor `tensor` of bucket `index`: name "t<tensor>", a dtype rotating through the table,

@@ -169,7 +169,9 @@ class ManifestCache {
 };
 
 struct VerifyOptions {
-  // Rule 5: when set, the bucket must match these names, dtypes and shapes exactly.
+  // Rule 5: when set, the bucket must match these names, dtypes and shapes exactly; one
+  // bucket of an update split into several, the part of them it names (check_expected_part).
+  // Subscriber::next_update() checks a whole update against them.
   const Manifest* expected = nullptr;
   // Hash the payload when the header carries a payload checksum.
   bool check_payload_checksum = true;

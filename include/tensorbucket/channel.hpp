@@ -3,15 +3,28 @@
 // in host shared memory, or on one CUDA device (PublisherOptions::location).
 //
 // Semantics (docs/channel.md has the protocol and every crash case):
-// - Ordered and lossless: each registered consumer sees every bucket in order. Bucket b goes
-//   to slot b % slots; a slot is reused only after every live consumer has released it and at
-//   least min_consumers have. Publishing waits (bounded) for a free slot.
-// - A consumer that attaches late starts from the oldest bucket still held in a slot, so a
-//   producer may start first: with K slots it blocks after K buckets until a consumer comes.
+// - Overflow policy, chosen by the producer. `Block` (the default), ordered and lossless:
+//   each registered consumer sees every bucket in order; a slot is reused only after every
+//   live consumer has released it and at least min_consumers have, and publishing waits
+//   (bounded) for that. `Latest`: the producer never waits for a consumer that is slow; it
+//   reuses the slot of the oldest bucket that no consumer leases, and consumers skip to the
+//   newest complete update (sequence() and version() show what they skipped). A leased slot
+//   is never rewritten under either policy.
+// - Updates are units: an update is the buckets of one version, bucket_index 0..count-1,
+//   published in that order (the producer refuses any other order). next_update() hands out
+//   a whole update at once; a consumer that attaches in the middle of one starts at the next
+//   update's first bucket (SubscribeOptions::whole_updates).
+// - A consumer that attaches late starts from the oldest update still held in the slots, so
+//   a producer may start first: with K slots, `Block` blocks after K buckets until a
+//   consumer comes.
 // - Producer gone (closed or dead): consumers drain what was published, then next() throws
-//   ProducerGone. Consumer gone: the producer frees its leases when they block it, and an
-//   attaching consumer takes its record over. Liveness is a lock the kernel holds for each
-//   live process, so peers may sit in different pid namespaces.
+//   ProducerGone. attach() never attaches to a dead producer's leftovers: it removes them and
+//   waits for a live producer. Each producer of a name has a new random incarnation; a
+//   subscriber with SubscribeOptions::follow_restarts goes on with the next producer of its
+//   channel after reporting ProducerGone once, never replaying the dead one's buckets.
+// - Consumer gone: the producer frees its leases when they block it, and an attaching
+//   consumer takes its record over. Liveness is a lock the kernel holds for each live
+//   process, so peers may sit in different pid namespaces.
 // - Shared memory is untrusted input: what another process of our uid can and cannot do to a
 //   producer or a consumer through it is listed in docs/channel.md ("Hostile peers").
 // - Segments are created O_EXCL with `mode` (0600 by default), opened only when owned by our
@@ -56,20 +69,42 @@ struct Lease;
 // legacy default stream. Host channels ignore it.
 using CudaStream = void*;
 
+// What the producer does when the slot it needs next is still needed by a consumer.
+enum class OverflowPolicy : std::uint8_t {
+  Block,   // wait (bounded) for it: lossless, in order
+  Latest,  // never wait for a slow consumer: take the oldest slot nobody leases
+};
+
+std::string_view to_string(OverflowPolicy policy) noexcept;
+// "block" or "latest"; InvalidArgument otherwise.
+OverflowPolicy parse_overflow_policy(std::string_view text);
+
 struct PublisherOptions {
   std::uint32_t slots = 2;          // 1..16 buckets in flight (2: double buffering)
   std::uint32_t max_consumers = 8;  // 1..64 consumer records
-  std::uint32_t min_consumers = 1;  // releases each bucket needs before its slot is reused
+  std::uint32_t min_consumers = 1;  // `Block`: releases each bucket needs before its slot is reused
   std::uint32_t mode = 0600;        // permission bits of every segment
   bool payload_checksum = false;    // hash every payload (one extra pass on each side)
   PayloadLocation location = PayloadLocation::host();  // the host, or one CUDA device
+  OverflowPolicy policy = OverflowPolicy::Block;
+  // `Latest`: the most buckets an update has (1..16). Its producer never waits while each
+  // consumer holds at most one update, which takes slots >= latest_slots_needed(): create()
+  // refuses fewer, and publish() a bucket_count above this.
+  std::uint32_t update_buckets = 1;
 };
+
+// The slots a `Latest` channel needs: each of max_consumers may lease a whole update (its
+// update_buckets slots) while the producer writes the next one into slots nobody leases.
+constexpr std::uint32_t latest_slots_needed(std::uint32_t max_consumers, std::uint32_t update_buckets) {
+  return (max_consumers + 1) * update_buckets;
+}
 
 class Reservation;
 
 class Publisher {
  public:
-  // Creates the channel. InvalidArgument for a bad name or options, ChannelExists when a live
+  // Creates the channel, with a new incarnation. InvalidArgument for a bad name or options
+  // (among them a `Latest` channel with fewer slots than latest_slots_needed()), ChannelExists when a live
   // producer owns the name (a dead one's leftovers are removed first); for a CUDA location,
   // CudaUnavailable or DeviceNotVisible when this process cannot use that device.
   static Publisher create(std::string_view channel, const PublisherOptions& options = {});
@@ -79,7 +114,9 @@ class Publisher {
   ~Publisher();  // close()
 
   // Copies `bucket` into the next slot and publishes it. False when no slot came free within
-  // `timeout`; then nothing was published. On a CUDA channel the entries' addresses may be
+  // `timeout`; then nothing was published. InvalidArgument, before anything is claimed, for a
+  // bucket out of its update's order: bucket_index 0 begins an update (abandoning one left
+  // unfinished), any other must follow the one before it, same version and count. On a CUDA channel the entries' addresses may be
   // device or host memory; they are copied in one batch on `stream`, after the work queued
   // on it before (so the caller's writes to them), and must stay valid until that is done.
   bool publish(const BucketBuilder& bucket, std::chrono::milliseconds timeout, CudaStream stream = nullptr);
@@ -107,6 +144,8 @@ class Publisher {
 
   std::uint64_t published() const noexcept;
   const std::string& channel() const noexcept;
+  std::uint64_t incarnation() const noexcept;
+  OverflowPolicy policy() const noexcept;
 
  private:
   explicit Publisher(std::unique_ptr<detail::PublisherState> state);
@@ -160,6 +199,8 @@ class ReceivedBucket {
 
   const BucketView& view() const noexcept { return view_; }
   std::uint64_t sequence() const noexcept { return sequence_; }  // 0-based place in the channel
+  // The producer's incarnation (Publisher::incarnation()): sequences count within one.
+  std::uint64_t incarnation() const noexcept { return incarnation_; }
   // CLOCK_MONOTONIC times: when the producer began handing this bucket over (the start of
   // publish(), or of commit() for a reservation), and when it became visible to consumers.
   std::uint64_t publish_start_ns() const noexcept { return publish_start_ns_; }
@@ -182,24 +223,57 @@ class ReceivedBucket {
 
  private:
   friend class Subscriber;
-  ReceivedBucket(BucketView view, std::uint64_t sequence, std::uint64_t publish_start_ns,
+  ReceivedBucket(BucketView view, std::uint64_t sequence, std::uint64_t incarnation, std::uint64_t publish_start_ns,
                  std::uint64_t published_ns, std::unique_ptr<detail::Lease> lease);
   BucketView view_;
   std::uint64_t sequence_;
+  std::uint64_t incarnation_;
   std::uint64_t publish_start_ns_;
   std::uint64_t published_ns_;
   std::unique_ptr<detail::Lease> lease_;
 };
 
+// A whole update: its buckets, index 0..count-1 in order, each verified and leased.
+class ReceivedUpdate {
+ public:
+  std::uint64_t version() const noexcept { return buckets_.front().view().version(); }
+  std::uint64_t incarnation() const noexcept { return buckets_.front().incarnation(); }
+  std::uint64_t first_sequence() const noexcept { return buckets_.front().sequence(); }
+  std::span<const ReceivedBucket> buckets() const noexcept { return buckets_; }
+  // The entries of every bucket, in order, as one manifest (offsets are each bucket's own):
+  // what the update holds as a whole. DuplicateName when two buckets name the same entry.
+  Manifest manifest() const;
+  // Releases every bucket (ReceivedBucket::release).
+  void release() noexcept;
+  void release(CudaStream stream) noexcept;
+
+ private:
+  friend class Subscriber;
+  explicit ReceivedUpdate(std::vector<ReceivedBucket> buckets) : buckets_(std::move(buckets)) {}
+  std::vector<ReceivedBucket> buckets_;  // never empty
+};
+
+struct SubscribeOptions {
+  // LocationMismatch unless the channel's payloads live there (host or CUDA).
+  std::optional<PayloadLocation::Kind> expected_location = std::nullopt;
+  // A consumer that attaches while an update is under way skips the rest of it and starts at
+  // the next update's first bucket; false takes every bucket still held (for tools).
+  bool whole_updates = true;
+  // After ProducerGone, the next call waits (within its timeout) for the channel's next
+  // producer and goes on from its first update held.
+  bool follow_restarts = false;
+};
+
 class Subscriber {
  public:
-  // Attaches, waiting up to `timeout` for the channel to appear. ChannelMissing when it does
-  // not, PermissionDenied when it is not ours, ChannelFull when every consumer record is taken.
-  // With `expected`, LocationMismatch unless the channel's payloads live there (host or CUDA;
-  // the device is the channel's). A CUDA channel needs CUDA in this process: CudaUnavailable
-  // otherwise, and DeviceNotVisible when its device is not among ours.
+  // Attaches to the channel's live producer, waiting up to `timeout` for one: a dead
+  // producer's leftovers are removed (when nobody else does) and never attached to.
+  // ChannelMissing when none came, PermissionDenied when it is not ours, ChannelFull when
+  // every consumer record is taken, LocationMismatch (options.expected_location). A CUDA
+  // channel needs CUDA in this process: CudaUnavailable otherwise, and DeviceNotVisible when
+  // its device is not among ours.
   static Subscriber attach(std::string_view channel, std::chrono::milliseconds timeout,
-                           std::optional<PayloadLocation::Kind> expected = std::nullopt);
+                           const SubscribeOptions& options = {});
 
   Subscriber(Subscriber&&) noexcept;
   Subscriber& operator=(Subscriber&&) noexcept;
@@ -216,13 +290,33 @@ class Subscriber {
                                      const VerifyOptions& options = {}, CudaStream stream = nullptr);
   std::optional<ReceivedBucket> try_next(const VerifyOptions& options = {});
 
+  // The next complete update, all of its buckets leased; nullopt when none was complete
+  // within `timeout` (the buckets taken so far are kept for the next call). Buckets of an
+  // update that cannot be completed (one of them was skipped or failed verification, or the
+  // producer began another) are dropped. options.expected is the whole model: each bucket
+  // must be part of it, and the update all of it. InvalidArgument for an update of more
+  // buckets than the channel has slots: it cannot be held at once (take it with next()).
+  // Hold one update at a time: a `Latest` producer counts on it.
+  std::optional<ReceivedUpdate> next_update(std::chrono::milliseconds timeout, const VerifyOptions& options = {},
+                                            CudaStream stream = nullptr);
+
   const std::string& channel() const noexcept;
+  // The incarnation of the producer attached to now.
+  std::uint64_t incarnation() const noexcept;
+  OverflowPolicy policy() const noexcept;
   // The channel's payload location, as this process numbers its devices.
   PayloadLocation location() const noexcept;
 
  private:
-  explicit Subscriber(std::shared_ptr<detail::SubscriberState> state);
+  Subscriber(std::shared_ptr<detail::SubscriberState> state, const SubscribeOptions& options);
+  // next() within one producer's incarnation.
+  static std::optional<ReceivedBucket> receive(const std::shared_ptr<detail::SubscriberState>& state,
+                                               std::chrono::milliseconds timeout, const VerifyOptions& options,
+                                               CudaStream stream);
   std::shared_ptr<detail::SubscriberState> state_;
+  SubscribeOptions options_;
+  bool producer_gone_ = false;           // ProducerGone was reported for state_'s producer
+  std::vector<ReceivedBucket> pending_;  // the update next_update() is assembling
 };
 
 // A snapshot of a channel for tools (`tbucket inspect`), read without registering as a
@@ -236,6 +330,8 @@ struct ChannelInfo {
     std::uint64_t segment_bytes;
     std::uint64_t epoch;                   // its storage epoch (a new one when it grew)
     std::uint64_t payload_capacity;
+    std::optional<std::uint64_t> version;  // the update of its bucket, as the producer wrote it
+    std::uint32_t bucket_index, bucket_count;
   };
   struct Consumer {
     std::uint32_t record;
@@ -243,6 +339,7 @@ struct ChannelInfo {
     bool pid_elsewhere;    // the pid is one in another pid namespace than ours
     bool alive;            // it holds its record's lock
     std::uint64_t next_bucket;
+    std::uint64_t next_update;  // the update ordinal of next_bucket
     std::uint32_t held_slots;  // bit s: a lease on slot s
   };
   std::string channel;
@@ -250,6 +347,9 @@ struct ChannelInfo {
   std::uint32_t slots, max_consumers, min_consumers;
   bool payload_checksum;
   std::string location;                    // "host", or "cuda GPU-<uuid>"
+  std::string policy;                      // "block", "latest", or what the word held
+  std::uint32_t update_buckets;
+  std::uint64_t updates;                   // updates begun (buckets with index 0 published)
   std::int32_t producer_pid;
   std::uint64_t producer_incarnation;      // random, new for each producer of the name
   bool producer_pid_elsewhere;

@@ -149,6 +149,9 @@ void verify_manifest(const Manifest& manifest, std::uint64_t payload_bytes);
 // `actual`, every unexpected name, and every shape and dtype mismatch. Offsets are not compared.
 // InvalidArgument when `expected` lists a name twice.
 void check_expected(const Manifest& actual, const Manifest& expected);
+// The same for one bucket of an update split into several: every entry of `actual` must be
+// expected, as expected; the expected names it lacks are the other buckets'.
+void check_expected_part(const Manifest& actual, const Manifest& expected);
 
 // numel x itemsize of a shape, or nullopt on a negative dim or on overflow past kMaxPayloadBytes.
 std::optional<std::uint64_t> checked_byte_length(DType dtype,

@@ -104,7 +104,13 @@ void load_into(const NamedTensors& targets, const NamedTensors& tensors);
 // the others by copy_ on torch's current stream: pass torch's current stream as `stream` (as
 // the Python module does) for both to be ordered with the bucket. The same for a non-contiguous
 // tensor in publish_in_place().
+// One bucket of an update split into several (bucket_count > 1) loads into the targets its
+// entries name, and must name no other: the rest of `targets` belong to the other buckets.
 void load_into(torch::nn::Module& module, const BucketView& bucket, CudaStream stream = nullptr);
 void load_into(const NamedTensors& targets, const BucketView& bucket, CudaStream stream = nullptr);
+// A whole update (Subscriber::next_update()), as strictly: its buckets together hold exactly
+// the targets (DuplicateName for a name in two of them), all checked before anything is copied.
+void load_into(torch::nn::Module& module, const ReceivedUpdate& update, CudaStream stream = nullptr);
+void load_into(const NamedTensors& targets, const ReceivedUpdate& update, CudaStream stream = nullptr);
 
 }  // namespace tensorbucket::torch_bridge
