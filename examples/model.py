@@ -1,4 +1,6 @@
-"""The small model both examples use, and the weights a trainer has at each step."""
+"""The small model both examples use, and how the trainer trains it: a real AdamW step on a
+batch that is a function of the step, so that anyone can replay the same weights (the server
+checks what it loaded against such a replay, and a restarted trainer resumes that way)."""
 import torch
 
 
@@ -7,22 +9,42 @@ class TinyNet(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Embedding(64, 16)
         self.fc = torch.nn.Linear(16, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(8))
         self.norm = torch.nn.LayerNorm(16)
         self.head = torch.nn.Linear(16, 8, bias=False)
 
-
-def weights_at(step):
-    """The state dict a trainer holds after `step` steps (deterministic, so a server can check)."""
-    torch.manual_seed(1234)
-    model = TinyNet()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.01 * step)
-    return model.state_dict()
+    def forward(self, tokens):
+        hidden = torch.relu(self.fc(self.embed(tokens)))
+        for layer in self.layers:
+            hidden = hidden + torch.relu(layer(hidden))
+        return self.head(self.norm(hidden))
 
 
-def split(state, buckets):
-    """The state dict as `buckets` lists of (name, tensor), in order."""
-    items = list(state.items())
-    size = -(-len(items) // buckets)
-    return [items[i:i + size] for i in range(0, len(items), size)]
+class Training:
+    """A model and its optimizer; step() trains on the batch of the next step."""
+
+    def __init__(self):
+        torch.manual_seed(1234)
+        self.model = TinyNet()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.steps = 0
+
+    def step(self):
+        generator = torch.Generator().manual_seed(self.steps)
+        tokens = torch.randint(0, 64, (32,), generator=generator)
+        targets = torch.randint(0, 8, (32,), generator=generator)
+        loss = torch.nn.functional.cross_entropy(self.model(tokens), targets)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        self.steps += 1
+
+    def advance_to(self, steps):
+        """Trains until `steps` steps are done (a restart resumes this way, as from a checkpoint)."""
+        while self.steps < steps:
+            self.step()
+
+
+def split(names, buckets):
+    """`names` as `buckets` lists, in order: which tensors travel in which bucket of an update."""
+    return [names[i * len(names) // buckets:(i + 1) * len(names) // buckets] for i in range(buckets)]

@@ -1,28 +1,30 @@
-"""A server that loads every update into its own copy of the model, strictly.
+"""A server that loads every whole update into its own copy of the model, strictly, and checks
+it against a replay of the training. It ends when the trainer is done; with --follow it goes on
+with a restarted trainer instead (stop it with Ctrl+C).
 
-PYTHONPATH=build/python .venv/bin/python examples/server.py CHANNEL STEPS
+PYTHONPATH=build/python .venv/bin/python examples/server.py CHANNEL [--follow]
 """
 import sys
 
 import torch
 
 import tensorbucket
-from model import TinyNet, weights_at
+from model import Training
 
-channel, steps = sys.argv[1], int(sys.argv[2])
-model = TinyNet()
-subscriber = tensorbucket.Subscriber(channel, timeout=30)
-for step in range(steps):
-    update = {}
-    while True:
-        bucket = subscriber.next(timeout=30)
-        assert bucket is not None, "no bucket within 30 s"
-        assert bucket.version == step, (bucket.version, step)
-        with bucket:
-            update.update((name, tensor.clone()) for name, tensor in bucket.items())
-        if bucket.bucket_index + 1 == bucket.bucket_count:
-            break
-    tensorbucket.load_into(model, update)  # strict: every name, dtype and shape must match
-    for name, tensor in weights_at(step).items():
-        assert torch.equal(model.state_dict()[name], tensor), (step, name)
-    print(f"step {step}: {len(update)} tensors loaded and equal", flush=True)
+channel, follow = sys.argv[1], "--follow" in sys.argv[2:]
+server = Training()  # the same architecture, untrained until the first update
+weights = server.model.state_dict(keep_vars=True)  # once
+replay = Training()  # what the trainer's weights must be, for the check
+
+with tensorbucket.Subscriber(channel, timeout=30, follow=follow) as subscriber:
+    last = None
+    for update in subscriber.updates(timeout=60):
+        with update:
+            tensorbucket.load_into(weights, update)  # strict: every name, dtype and shape must match
+        assert last is None or update.version > last, (last, update.version)
+        last = update.version
+        replay.advance_to(update.version + 1)
+        for name, tensor in replay.model.state_dict().items():
+            assert torch.equal(weights[name], tensor), (update.version, name)
+        print(f"version {update.version}: {len(weights)} tensors in {update.bucket_count} buckets "
+              f"loaded and equal", flush=True)

@@ -29,6 +29,10 @@ namespace {
 
 // Raised by publish() when no slot came free; becomes tensorbucket.Timeout.
 struct PublishTimeout {};
+// Raised by a wait for an update that ended at its timeout; becomes tensorbucket.Timeout.
+struct ReceiveTimeout {
+  std::string message;
+};
 
 using Clock = std::chrono::steady_clock;
 using Deadline = std::optional<Clock::time_point>;  // none: no limit
@@ -336,13 +340,16 @@ CudaStream current_stream(PayloadLocation where) {
 class PyPublisher {
  public:
   PyPublisher(const std::string& channel, std::uint32_t slots, std::uint32_t min_consumers,
-              std::uint32_t max_consumers, bool checksum, std::uint32_t mode, const py::handle& device)
+              std::uint32_t max_consumers, bool checksum, std::uint32_t mode, const py::handle& device,
+              const std::string& policy, std::uint32_t update_buckets)
       : publisher_(Publisher::create(channel, {.slots = slots,
                                                .max_consumers = max_consumers,
                                                .min_consumers = min_consumers,
                                                .mode = mode,
                                                .payload_checksum = checksum,
-                                               .location = location_of(device)})) {
+                                               .location = location_of(device),
+                                               .policy = parse_overflow_policy(policy),
+                                               .update_buckets = update_buckets})) {
     open().insert(this);
   }
   ~PyPublisher() { open().erase(this); }
@@ -401,6 +408,8 @@ class PyPublisher {
   void close_at_exit() { publisher_.close(); }
   // Read without a turn, so that a thread that reports progress does not wait for a publish.
   std::uint64_t published() const { return published_; }
+  std::uint64_t incarnation() const { return publisher_.incarnation(); }
+  std::string policy() const { return std::string(to_string(publisher_.policy())); }
 
  private:
   struct Kept {
@@ -460,16 +469,25 @@ class PyPublisher {
 // asked for yet. Each view keeps the lease, so it outlives release() and the Bucket.
 class PyBucket {
  public:
-  explicit PyBucket(ReceivedBucket bucket)
+  explicit PyBucket(ReceivedBucket bucket) : PyBucket(std::make_shared<const ReceivedBucket>(std::move(bucket))) {}
+  // One bucket of an update, which this keeps whole while it lives.
+  explicit PyBucket(std::shared_ptr<const ReceivedBucket> held)
+      : PyBucket(*held, held) {}
+
+ private:
+  PyBucket(const ReceivedBucket& bucket, std::shared_ptr<const ReceivedBucket> held)
       : version_(bucket.view().version()),
         bucket_index_(bucket.view().bucket_index()),
         bucket_count_(bucket.view().bucket_count()),
         sequence_(bucket.sequence()),
+        incarnation_(bucket.incarnation()),
         publish_start_ns_(bucket.publish_start_ns()),
         published_ns_(bucket.published_ns()),
         size_(bucket.view().size()),
-        bucket_(std::make_shared<const ReceivedBucket>(std::move(bucket))),
+        bucket_(std::move(held)),
         views_(size_) {}
+
+ public:
 
   std::size_t size() const { return size_; }
   bool contains(const py::handle& name) const {
@@ -508,10 +526,16 @@ class PyBucket {
   std::uint32_t bucket_index() const { return bucket_index_; }
   std::uint32_t bucket_count() const { return bucket_count_; }
   std::uint64_t sequence() const { return sequence_; }
+  std::uint64_t incarnation() const { return incarnation_; }
   std::uint64_t publish_start_ns() const { return publish_start_ns_; }
   std::uint64_t published_ns() const { return published_ns_; }
   // The received bucket, for readers of its bytes; InvalidArgument once released.
   std::shared_ptr<const ReceivedBucket> received() const { return live(); }
+  // Drops this handle's hold and its views, leaving the release to the update that holds it.
+  void forget() {
+    views_.clear();
+    bucket_.reset();
+  }
   // Drops this handle's hold, and its views; tensors already taken keep the lease until they die.
   // A CUDA bucket this handle alone holds is released after the work queued so far on torch's
   // current stream; one whose views live on is released, when the last dies, after the work
@@ -540,6 +564,7 @@ class PyBucket {
   std::uint32_t bucket_index_;
   std::uint32_t bucket_count_;
   std::uint64_t sequence_;
+  std::uint64_t incarnation_;
   std::uint64_t publish_start_ns_;
   std::uint64_t published_ns_;
   std::size_t size_;
@@ -547,26 +572,135 @@ class PyBucket {
   std::vector<py::object> views_;  // by entry position; empty until asked for
 };
 
+// A whole update: its buckets, in order, and a read-only mapping {name: tensor} over all of
+// them. Its slots stay leased while it, one of its Buckets or a view lives.
+class PyUpdate {
+ public:
+  explicit PyUpdate(ReceivedUpdate update)
+      : update_(std::make_shared<const ReceivedUpdate>(std::move(update))),
+        version_(update_->version()),
+        incarnation_(update_->incarnation()),
+        sequence_(update_->first_sequence()),
+        publish_start_ns_(update_->buckets().front().publish_start_ns()),
+        published_ns_(update_->buckets().back().published_ns()) {
+    for (const auto& bucket : update_->buckets()) {
+      buckets_.push_back(py::cast(PyBucket(std::shared_ptr<const ReceivedBucket>(update_, &bucket))));
+    }
+  }
+
+  std::uint64_t version() const { return version_; }
+  std::uint64_t incarnation() const { return incarnation_; }
+  std::uint64_t sequence() const { return sequence_; }
+  std::uint64_t publish_start_ns() const { return publish_start_ns_; }
+  std::uint64_t published_ns() const { return published_ns_; }
+  py::tuple buckets() const { return py::tuple(py::cast(buckets_)); }
+  std::size_t bucket_count() const { return buckets_.size(); }
+
+  // The received update, for load_into(); InvalidArgument once released.
+  const ReceivedUpdate& received() const {
+    if (!update_) throw Error(ErrorCode::InvalidArgument, "update was released");
+    return *update_;
+  }
+
+  std::size_t size() const {
+    std::size_t total = 0;
+    for (const auto& bucket : buckets_) total += bucket.cast<const PyBucket&>().size();
+    return total;
+  }
+  bool contains(const py::handle& name) const { return bucket_with(name) != nullptr; }
+  py::object get_item(const py::handle& name) const {
+    auto* bucket = bucket_with(name);
+    if (bucket == nullptr) throw py::key_error(py::str(name));
+    return bucket->get_item(name.cast<std::string_view>());
+  }
+  py::list keys() const {
+    return gather([](PyBucket& bucket) { return bucket.keys(); });
+  }
+  py::list values() const {
+    return gather([](PyBucket& bucket) { return bucket.values(); });
+  }
+  py::list items() const {
+    return gather([](PyBucket& bucket) { return bucket.items(); });
+  }
+  py::dict tensors() const {
+    py::dict out;
+    for (const auto& bucket : buckets_) out.attr("update")(bucket.cast<PyBucket&>().tensors());
+    return out;
+  }
+
+  // Drops this handle's hold on every bucket; views already taken keep the slots leased. A
+  // CUDA update this handle alone holds is released after the work queued so far on torch's
+  // current stream.
+  void release() {
+    received();  // a second release() is an error, as for a Bucket
+    for (const auto& bucket : buckets_) bucket.cast<PyBucket&>().forget();
+    if (update_.use_count() == 1 && !update_->buckets().front().view().location().on_host()) {
+      auto stream = current_stream(update_->buckets().front().view().location());
+      const_cast<ReceivedUpdate&>(*update_).release(stream);  // ours alone: nothing else reads it
+    }
+    update_.reset();
+  }
+
+ private:
+  PyBucket* bucket_with(const py::handle& name) const {
+    for (const auto& bucket : buckets_) {
+      auto& held = bucket.cast<PyBucket&>();
+      if (held.contains(name)) return &held;
+    }
+    return nullptr;
+  }
+  template <class Part>
+  py::list gather(Part part) const {
+    py::list out;
+    for (const auto& bucket : buckets_) {
+      for (auto item : part(bucket.cast<PyBucket&>())) out.append(item);
+    }
+    return out;
+  }
+
+  std::shared_ptr<const ReceivedUpdate> update_;
+  std::uint64_t version_;
+  std::uint64_t incarnation_;
+  std::uint64_t sequence_;
+  std::uint64_t publish_start_ns_;
+  std::uint64_t published_ns_;
+  std::vector<py::object> buckets_;  // PyBucket
+};
+
 class PySubscriber {
  public:
-  PySubscriber(const std::string& channel, std::optional<double> timeout, const py::handle& device)
-      : channel_(channel), subscriber_(attach(channel, timeout, expected_kind(device))) {}
+  PySubscriber(const std::string& channel, std::optional<double> timeout, const py::handle& device, bool follow,
+               bool whole_updates)
+      : channel_(channel),
+        follows_(follow),
+        subscriber_(attach(channel, timeout,
+                           {.expected_location = expected_kind(device),
+                            .whole_updates = whole_updates,
+                            .follow_restarts = follow})) {}
 
   std::optional<PyBucket> next(std::optional<double> timeout, const py::handle& expected) {
-    auto deadline = deadline_in(timeout);
-    std::optional<Manifest> expected_manifest;
-    if (!expected.is_none()) expected_manifest = to_manifest(expected);
-    VerifyOptions options{.expected = expected_manifest ? &*expected_manifest : nullptr};
-    auto turn = take_turn(turn_, deadline);
-    if (!turn) return std::nullopt;
-    if (!subscriber_) throw Error(ErrorCode::InvalidArgument, "subscriber of channel '" + channel_ + "' is closed");
-    auto stream = current_stream(subscriber_->location());
-    auto bucket = wait_until(deadline, [&](auto slice) {
-      if (turn_.closing) throw Error(ErrorCode::InvalidArgument, "subscriber of channel '" + channel_ + "' is closed");
+    auto bucket = receive(timeout, expected, [&](auto slice, const auto& options, auto stream) {
       return subscriber_->next(slice, options, stream);
     });
     if (!bucket) return std::nullopt;
     return PyBucket(std::move(*bucket));
+  }
+
+  std::optional<PyUpdate> next_update(std::optional<double> timeout, const py::handle& expected) {
+    auto update = receive(timeout, expected, [&](auto slice, const auto& options, auto stream) {
+      return subscriber_->next_update(slice, options, stream);
+    });
+    if (!update) return std::nullopt;
+    return PyUpdate(std::move(*update));
+  }
+
+  std::uint64_t incarnation() {
+    auto turn = take_turn(turn_);
+    return live().incarnation();
+  }
+  std::string policy() {
+    auto turn = take_turn(turn_);
+    return std::string(to_string(live().policy()));
   }
 
   // Stops receiving: a next() waiting in another thread raises (see Turns::closing). The
@@ -578,16 +712,37 @@ class PySubscriber {
   }
 
  private:
+  Subscriber& live() {
+    if (!subscriber_) throw Error(ErrorCode::InvalidArgument, "subscriber of channel '" + channel_ + "' is closed");
+    return *subscriber_;
+  }
+
+  // Waits, in turn and in slices, for what `take(slice, options, stream)` returns.
+  template <class Take>
+  auto receive(std::optional<double> timeout, const py::handle& expected, Take&& take)
+      -> decltype(take(std::chrono::milliseconds(0), VerifyOptions{}, CudaStream{})) {
+    auto deadline = deadline_in(timeout);
+    std::optional<Manifest> expected_manifest;
+    if (!expected.is_none()) expected_manifest = to_manifest(expected);
+    VerifyOptions options{.expected = expected_manifest ? &*expected_manifest : nullptr};
+    auto turn = take_turn(turn_, deadline);
+    if (!turn) return std::nullopt;
+    auto stream = current_stream(live().location());
+    return wait_until(deadline, [&](auto slice) {
+      if (turn_.closing) throw Error(ErrorCode::InvalidArgument, "subscriber of channel '" + channel_ + "' is closed");
+      return take(slice, options, stream);
+    });
+  }
+
   static std::optional<PayloadLocation::Kind> expected_kind(const py::handle& device) {
     if (device.is_none()) return std::nullopt;
     return location_of(device).kind;
   }
 
-  static Subscriber attach(const std::string& channel, std::optional<double> timeout,
-                           std::optional<PayloadLocation::Kind> expected) {
+  static Subscriber attach(const std::string& channel, std::optional<double> timeout, const SubscribeOptions& options) {
     auto attached = wait_until(deadline_in(timeout), [&](auto slice) -> std::optional<Subscriber> {
       try {
-        return Subscriber::attach(channel, slice, {.expected_location = expected});
+        return Subscriber::attach(channel, slice, options);
       } catch (const Error& e) {
         if (e.code() != ErrorCode::ChannelMissing) throw;
         return std::nullopt;  // not there yet
@@ -595,14 +750,65 @@ class PySubscriber {
     });
     if (!attached) {
       throw Error(ErrorCode::ChannelMissing,
-                  "channel '" + channel + "' did not appear within " + as_text(*timeout) + " s");
+                  "channel '" + channel + "' had no live producer within " + as_text(*timeout) + " s");
     }
     return std::move(*attached);
   }
 
   Turns turn_;
   std::string channel_;
+  bool follows_;
   std::optional<Subscriber> subscriber_;  // none once closed
+
+ public:
+  bool follows() const { return follows_; }
+};
+
+// `for update in subscriber.updates()`: each whole update in turn, the one before released
+// when the next is asked for; the loop ends when the producer is gone (with follow, it waits
+// for the next producer instead). Timeout when none came within `timeout`.
+class PyUpdates {
+ public:
+  PyUpdates(py::object subscriber, std::optional<double> timeout, py::object expected)
+      : subscriber_(std::move(subscriber)),
+        timeout_(timeout),
+        expected_(std::move(expected)),
+        follow_(subscriber_.cast<const PySubscriber&>().follows()) {}
+
+  py::object next() {
+    if (!previous_.is_none()) {
+      auto& update = previous_.cast<PyUpdate&>();
+      try {
+        update.release();
+      } catch (const Error&) {
+        // The loop's body released it already.
+      }
+      previous_ = py::none();
+    }
+    auto& subscriber = subscriber_.cast<PySubscriber&>();
+    for (;;) {
+      std::optional<PyUpdate> update;
+      try {
+        update = subscriber.next_update(timeout_, expected_);
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::ProducerGone) throw;
+        if (follow_) continue;  // the next call waits for the next producer
+        throw py::stop_iteration();
+      }
+      if (!update) {
+        throw ReceiveTimeout{"no whole update arrived within " + as_text(*timeout_) + " s"};
+      }
+      previous_ = py::cast(std::move(*update));
+      return previous_;
+    }
+  }
+
+ private:
+  py::object subscriber_;
+  std::optional<double> timeout_;
+  py::object expected_;
+  bool follow_;
+  py::object previous_ = py::none();
 };
 
 // Strict load_state_dict: every problem in one error, nothing copied when any.
@@ -617,6 +823,12 @@ void load_into(const py::object& module, const py::handle& tensors) {
                 "module must be a torch.nn.Module or its state_dict(keep_vars=True), not " + type_name(module));
   }
   auto targets = to_named(is_module ? module.attr("state_dict")(py::arg("keep_vars") = true) : module);
+  if (py::isinstance<PyUpdate>(tensors)) {  // each bucket straight from its bytes
+    const auto& update = tensors.cast<const PyUpdate&>().received();
+    auto stream = current_stream(update.buckets().front().view().location());
+    OutsideGil::run([&] { torch_bridge::load_into(targets, update, stream); });
+    return;
+  }
   if (py::isinstance<PyBucket>(tensors)) {  // straight from its bytes: no view of each entry
     auto bucket = tensors.cast<const PyBucket&>().received();
     auto stream = current_stream(bucket->view().location());
@@ -659,6 +871,8 @@ PYBIND11_MODULE(tensorbucket, m) {
       if (raised) std::rethrow_exception(raised);
     } catch (const PublishTimeout&) {
       raise_as(timeout, "Timeout: no slot came free in time; nothing was published");
+    } catch (const ReceiveTimeout& e) {
+      raise_as(timeout, "Timeout: " + e.message);
     } catch (const Error& e) {
       auto message = std::string(to_string(e.code())) + ": " + e.what();
       switch (e.code()) {
@@ -707,12 +921,15 @@ PYBIND11_MODULE(tensorbucket, m) {
 
   py::class_<PyPublisher>(m, "Publisher")
       .def(py::init<const std::string&, std::uint32_t, std::uint32_t, std::uint32_t, bool, std::uint32_t,
-                    const py::handle&>(),
+                    const py::handle&, const std::string&, std::uint32_t>(),
            py::arg("channel"), py::arg("slots") = 2, py::arg("min_consumers") = 1,
            py::arg("max_consumers") = 8, py::arg("checksum") = false, py::arg("mode") = 0600,
-           py::arg("device") = py::none(),
+           py::arg("device") = py::none(), py::arg("policy") = "block", py::arg("update_buckets") = 1,
            "Create a channel. device: where its payloads live, None or 'cpu' (host shared memory) "
-           "or 'cuda:N' / a torch.device (that GPU; then publish() takes tensors on it).")
+           "or 'cuda:N' / a torch.device (that GPU; then publish() takes tensors on it). policy: "
+           "'block' (lossless: publish waits for slow consumers) or 'latest' (publish never waits "
+           "for them; they skip to the newest whole update), which needs slots >= "
+           "(max_consumers + 1) * update_buckets, the most buckets an update has.")
       .def("publish", &PyPublisher::publish, py::arg("tensors"), py::arg("version") = 0,
            py::arg("bucket_index") = 0, py::arg("bucket_count") = 1, py::arg("groups") = py::none(),
            py::arg("timeout") = 10.0,
@@ -724,6 +941,9 @@ PYBIND11_MODULE(tensorbucket, m) {
       .def("close", &PyPublisher::close,
            "Close the channel; a publish() or drain() waiting in another thread raises Error.")
       .def_property_readonly("published", &PyPublisher::published)
+      .def_property_readonly("incarnation", &PyPublisher::incarnation,
+                             "Random, new for each Publisher of a channel name.")
+      .def_property_readonly("policy", &PyPublisher::policy)
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](PyPublisher& self, py::args) { self.close(); });
 
@@ -746,6 +966,8 @@ PYBIND11_MODULE(tensorbucket, m) {
       .def_property_readonly("bucket_index", &PyBucket::bucket_index)
       .def_property_readonly("bucket_count", &PyBucket::bucket_count)
       .def_property_readonly("sequence", &PyBucket::sequence)
+      .def_property_readonly("incarnation", &PyBucket::incarnation,
+                             "The publisher's incarnation: sequences count within one.")
       .def_property_readonly("publish_start_ns", &PyBucket::publish_start_ns,
                              "When the producer began publishing it, as time.monotonic_ns() counts.")
       .def_property_readonly("published_ns", &PyBucket::published_ns,
@@ -761,14 +983,66 @@ PYBIND11_MODULE(tensorbucket, m) {
   // load_state_dict() and other Mapping users accept a Bucket as it is.
   py::module_::import("collections.abc").attr("Mapping").attr("register")(m.attr("Bucket"));
 
+  py::class_<PyUpdate>(m, "Update",
+                      "A whole update: its buckets (bucket_index 0..count-1 of one version) and a "
+                      "read-only mapping {name: tensor} over all of them. Holds their slots until "
+                      "released.")
+      .def("__len__", &PyUpdate::size)
+      .def("__contains__", &PyUpdate::contains)
+      .def("__getitem__", &PyUpdate::get_item)
+      .def("__iter__", [](const PyUpdate& self) { return py::iter(self.keys()); })
+      .def("keys", &PyUpdate::keys)
+      .def("values", &PyUpdate::values)
+      .def("items", &PyUpdate::items)
+      .def("tensors", &PyUpdate::tensors, "Every view at once, as a dict {name: tensor}.")
+      .def_property_readonly("buckets", &PyUpdate::buckets, "Its Buckets, in order.")
+      .def_property_readonly("bucket_count", &PyUpdate::bucket_count)
+      .def_property_readonly("version", &PyUpdate::version)
+      .def_property_readonly("incarnation", &PyUpdate::incarnation)
+      .def_property_readonly("sequence", &PyUpdate::sequence, "The sequence of its first bucket.")
+      .def_property_readonly("publish_start_ns", &PyUpdate::publish_start_ns,
+                             "When the producer began publishing its first bucket, as time.monotonic_ns() counts.")
+      .def_property_readonly("published_ns", &PyUpdate::published_ns,
+                             "When its last bucket became visible to consumers, as time.monotonic_ns() counts.")
+      .def("release", &PyUpdate::release)
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](PyUpdate& self, py::args) { self.release(); })
+      .def("__repr__", [](const PyUpdate& self) {
+        return "<tensorbucket.Update version=" + std::to_string(self.version()) + ", " +
+               std::to_string(self.bucket_count()) + " buckets>";
+      });
+  py::module_::import("collections.abc").attr("Mapping").attr("register")(m.attr("Update"));
+
+  py::class_<PyUpdates>(m, "Updates", "Iterator over whole updates: see Subscriber.updates().")
+      .def("__iter__", [](py::object self) { return self; })
+      .def("__next__", &PyUpdates::next);
+
   py::class_<PySubscriber>(m, "Subscriber")
-      .def(py::init<const std::string&, std::optional<double>, const py::handle&>(), py::arg("channel"),
-           py::arg("timeout") = 10.0, py::arg("device") = py::none(),
-           "Attach, waiting up to timeout for the channel to appear. device: 'cpu' or 'cuda' to "
-           "refuse a channel whose payloads live elsewhere (ChannelError); None takes either.")
+      .def(py::init<const std::string&, std::optional<double>, const py::handle&, bool, bool>(), py::arg("channel"),
+           py::arg("timeout") = 10.0, py::arg("device") = py::none(), py::arg("follow") = false,
+           py::arg("whole_updates") = true,
+           "Attach to the channel's live producer, waiting up to timeout for one (a dead producer's "
+           "leftovers are removed, never attached to). device: 'cpu' or 'cuda' to refuse a channel "
+           "whose payloads live elsewhere (ChannelError); None takes either. follow: after "
+           "ProducerGone, go on with the channel's next producer. whole_updates: a subscriber that "
+           "attaches in the middle of an update starts at the next one (False: every bucket held).")
       .def("next", &PySubscriber::next, py::arg("timeout") = 10.0, py::arg("expected") = py::none(),
            "The next bucket, verified; None when none arrived within timeout. A CUDA channel's "
-           "views are CUDA tensors, ready on torch's current stream.")
+           "views are CUDA tensors, ready on torch's current stream. expected: the model's "
+           "state_dict; one bucket of a split update must be a part of it.")
+      .def("next_update", &PySubscriber::next_update, py::arg("timeout") = 10.0, py::arg("expected") = py::none(),
+           "The next whole update (every bucket of one version, leased), verified; None when none "
+           "was complete within timeout (the buckets taken so far wait for the next call). Needs "
+           "a channel with at least as many slots as an update has buckets.")
+      .def("updates", [](py::object self, std::optional<double> timeout, py::object expected) {
+             return PyUpdates(std::move(self), timeout, std::move(expected));
+           }, py::arg("timeout") = py::none(), py::arg("expected") = py::none(),
+           "Iterate over whole updates until the producer is gone (with follow: without end). "
+           "Each update is released when the loop asks for the next; Timeout when none came "
+           "within timeout (None: no limit).")
+      .def_property_readonly("incarnation", &PySubscriber::incarnation,
+                             "The incarnation of the producer attached to now.")
+      .def_property_readonly("policy", &PySubscriber::policy)
       .def("close", &PySubscriber::close,
            "Stop receiving; a next() waiting in another thread raises Error. The channel is left "
            "once every bucket and view from this subscriber is gone.")
@@ -777,5 +1051,7 @@ PYBIND11_MODULE(tensorbucket, m) {
 
   m.def("load_into", &load_into, py::arg("module"), py::arg("tensors"),
         "Copy tensors into module's parameters and buffers, as strictly as load_state_dict. "
-        "module may also be its state_dict(keep_vars=True), built once.");
+        "module may also be its state_dict(keep_vars=True), built once. tensors: a mapping, a "
+        "Bucket (one bucket of a split update loads into the part of module it names) or a whole "
+        "Update.");
 }
