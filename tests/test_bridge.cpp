@@ -227,6 +227,82 @@ TEST_P(LoadInto, CopiesEveryParameterAndBuffer) {
   EXPECT_EQ(torch_bridge::expected_manifest(server).entries.size(), sent.size());
 }
 
+// A server keeps bit-identical to its trainer with an update split into 1, 4 or 15 buckets:
+// next_update() and load_into(module, update) after every step of a real optimizer.
+TEST(TorchBridge, AWholeUpdateLoadsStrictlyIntoTheModel) {
+  struct Deep : torch::nn::Module {
+    Deep() {
+      for (int i = 0; i < 8; ++i) layers.push_back(register_module("layer" + std::to_string(i), torch::nn::Linear(6, 6)));
+    }
+    std::vector<torch::nn::Linear> layers;
+  };
+  for (std::uint32_t buckets : {1u, 4u, 15u}) {
+    SCOPED_TRACE(std::to_string(buckets) + " buckets");
+    auto channel = channel_for_test() + "-" + std::to_string(buckets);
+    torch::manual_seed(3);
+    Deep trainer, server;
+    torch::optim::AdamW optimizer(trainer.parameters(), torch::optim::AdamWOptions(1e-2));
+    auto tensors = torch_bridge::named_tensors(trainer);  // 16 tensors
+    auto publisher = Publisher::create(channel, {.slots = buckets});
+    auto subscriber = Subscriber::attach(channel, 1s);
+    for (std::uint64_t step = 0; step < 3; ++step) {
+      optimizer.zero_grad();
+      auto loss = torch::zeros({});
+      for (auto& layer : trainer.layers) loss = loss + layer->forward(torch::ones({2, 6})).pow(2).sum();
+      loss.backward();
+      optimizer.step();
+      for (std::uint32_t b = 0; b < buckets; ++b) {
+        NamedTensors part(tensors.begin() + b * tensors.size() / buckets,
+                          tensors.begin() + (b + 1) * tensors.size() / buckets);
+        ASSERT_TRUE(torch_bridge::publish_in_place(publisher, part, 1s, step, b, buckets));
+      }
+      auto update = subscriber.next_update(1s);
+      ASSERT_TRUE(update.has_value());
+      EXPECT_EQ(update->buckets().size(), buckets);
+      torch_bridge::load_into(server, *update);
+      auto loaded = torch_bridge::named_tensors(server);
+      for (std::size_t i = 0; i < tensors.size(); ++i) EXPECT_TRUE(same_bytes(loaded[i].second, tensors[i].second));
+    }
+  }
+}
+
+TEST(TorchBridge, OneBucketOfASplitUpdateLoadsThePartItNames) {
+  Net server;
+  auto before = server.norm->weight.clone();
+  NamedTensors part{{"fc.weight", torch::randn({3, 4})}, {"fc.bias", torch::randn({3})}};
+  auto packed = torch_bridge::make_bucket(part, 1, 0, 2).builder.pack();
+  torch_bridge::load_into(server, BucketView::open(packed.frame, packed.payload.span()));
+  EXPECT_TRUE(torch::equal(server.fc->weight, part[0].second));
+  EXPECT_TRUE(torch::equal(server.norm->weight, before));  // the other bucket's
+  // A name the model lacks is still refused, and nothing is copied.
+  NamedTensors stray{{"fc.bias", torch::randn({3})}, {"extra", torch::randn({1})}};
+  auto bias = server.fc->bias.clone();
+  auto stray_packed = torch_bridge::make_bucket(stray, 1, 1, 2).builder.pack();
+  auto message = expect_error(ErrorCode::ManifestMismatch, [&] {
+    torch_bridge::load_into(server, BucketView::open(stray_packed.frame, stray_packed.payload.span()));
+  });
+  EXPECT_NE(message.find("unexpected 'extra'"), std::string::npos) << message;
+  EXPECT_EQ(message.find("missing"), std::string::npos) << message;
+  EXPECT_TRUE(torch::equal(server.fc->bias, bias));
+}
+
+TEST(TorchBridge, AnUpdateMissingATensorLoadsNothing) {
+  auto channel = channel_for_test();
+  Net trainer, server;
+  auto tensors = torch_bridge::named_tensors(trainer);
+  auto publisher = Publisher::create(channel, {.slots = 2});
+  auto subscriber = Subscriber::attach(channel, 1s);
+  NamedTensors first(tensors.begin(), tensors.begin() + 2), second(tensors.begin() + 2, tensors.end() - 1);
+  ASSERT_TRUE(torch_bridge::publish_in_place(publisher, first, 1s, 0, 0, 2));
+  ASSERT_TRUE(torch_bridge::publish_in_place(publisher, second, 1s, 0, 1, 2));
+  auto update = subscriber.next_update(1s);
+  ASSERT_TRUE(update.has_value());
+  auto before = server.fc->weight.clone();
+  auto message = expect_error(ErrorCode::ManifestMismatch, [&] { torch_bridge::load_into(server, *update); });
+  EXPECT_NE(message.find("missing '" + tensors.back().first + "'"), std::string::npos) << message;
+  EXPECT_TRUE(torch::equal(server.fc->weight, before));
+}
+
 // Every manifest dtype becomes a torch tensor, and back (torch 1.13 had no U16, U32, U64, F8).
 TEST(TorchBridge, EveryManifestDtypeIsATorchDtype) {
   for (std::size_t i = 0; i < kDTypeCount; ++i) {
