@@ -47,6 +47,7 @@
 
 #include "device.hpp"
 #include "futex.hpp"
+#include "liveness.hpp"
 
 namespace tensorbucket::ipc {
 
@@ -60,6 +61,7 @@ inline constexpr std::size_t kMaxChannelName = 64;
 // low 16 (bit s: a lease on slot s), so that the owner and its leases change together.
 inline constexpr int kLeaseBits = 16;
 static_assert(kMaxSlots <= kLeaseBits);
+static_assert(consumer_lock_byte(kMaxConsumers - 1) < kRemoverLockByte);
 inline constexpr std::uint64_t kTokenLimit = std::uint64_t{1} << (64 - kLeaseBits);
 constexpr std::uint64_t claim_token(std::uint64_t claim) { return claim >> kLeaseBits; }
 constexpr std::uint32_t claim_leases(std::uint64_t claim) {

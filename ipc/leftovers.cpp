@@ -8,9 +8,26 @@
 
 namespace tensorbucket::ipc {
 
-bool remove_if_dead(std::string_view channel, const std::string& name, const Segment& stale) {
-  if (!try_lock(stale.descriptor(), kProducerLockByte)) return false;
-  if (!stale.named(name)) return true;  // removed or replaced meanwhile: not ours to remove
+Holder holder_of(const std::string& name, const Segment& segment) {
+  // In this order: a remover takes its byte before the producer's and lets go of it after, so a
+  // producer's byte held, then the remover's free, means the producer's own, unless the removal
+  // ended in between, which unlinked the name.
+  if (!held_by_other(segment.descriptor(), kProducerLockByte)) return Holder::kNobody;
+  if (held_by_other(segment.descriptor(), kRemoverLockByte) || !segment.named(name)) return Holder::kRemover;
+  return Holder::kProducer;
+}
+
+Holder remove_if_dead(std::string_view channel, const std::string& name, const Segment& stale) {
+  struct Locked {
+    int fd;
+    off_t byte;
+    ~Locked() { unlock(fd, byte); }
+  };
+  if (!try_lock(stale.descriptor(), kRemoverLockByte)) return Holder::kRemover;
+  Locked remover{stale.descriptor(), kRemoverLockByte};
+  if (!try_lock(stale.descriptor(), kProducerLockByte)) return Holder::kProducer;
+  Locked producer{stale.descriptor(), kProducerLockByte};  // let go of before the remover's byte
+  if (!stale.named(name)) return Holder::kNobody;  // removed or replaced meanwhile: not ours to remove
   if (stale.size() >= sizeof(ControlBlock)) {
     auto* control = reinterpret_cast<ControlBlock*>(stale.data());
     // The dead producer may have died growing a slot, between creating one epoch and
@@ -24,7 +41,7 @@ bool remove_if_dead(std::string_view channel, const std::string& name, const Seg
     }
   }
   Segment::remove(name);
-  return true;
+  return Holder::kNobody;
 }
 
 }  // namespace tensorbucket::ipc

@@ -18,6 +18,10 @@ namespace tensorbucket::ipc {
 
 inline constexpr off_t kProducerLockByte = 0;
 constexpr off_t consumer_lock_byte(std::uint32_t record) { return 1 + static_cast<off_t>(record); }
+// Held by whoever removes a dead producer's channel (leftovers.hpp), from before it takes the
+// producer's byte until after it let go of it: a producer's byte held while this one is free
+// is the producer's own. Past every consumer's byte (control.hpp checks).
+inline constexpr off_t kRemoverLockByte = 1 + 64;
 
 // Takes the lock on `byte` through `fd` (open for writing); false when another open file
 // description holds it. SystemError when the kernel refuses otherwise.

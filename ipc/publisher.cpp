@@ -6,6 +6,7 @@
 #include <cstring>
 #include <optional>
 #include <random>
+#include <thread>
 
 #include "control.hpp"
 #include "device.hpp"
@@ -503,8 +504,13 @@ namespace {
 // producer holds it.
 void remove_stale_channel(std::string_view channel, const std::string& name) {
   auto stale = ipc::Segment::open(name, 0, true, ipc::Locks::kKept);
-  if (!stale || ipc::remove_if_dead(channel, name, *stale)) return;  // else gone meanwhile, or removed
-  // Held by a live producer, or by another producer removing a dead one's channel.
+  if (!stale) return;  // gone meanwhile
+  auto holder = ipc::remove_if_dead(channel, name, *stale);
+  if (holder == ipc::Holder::kNobody) return;
+  if (holder == ipc::Holder::kRemover) {  // a consumer or a producer removing it: a moment
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return;
+  }
   std::string owner = "a live process";
   if (stale->size() >= sizeof(ipc::ControlBlock)) {
     auto* control = reinterpret_cast<ipc::ControlBlock*>(stale->data());

@@ -227,15 +227,27 @@ struct detail::SubscriberState {
     return oldest;
   }
 
-  // The first bucket of the oldest update the slots hold the beginning of, or the next to be
-  // published when none: where a consumer of whole updates starts, leaving the producer free
-  // to reuse the slots it would skip.
-  std::uint64_t first_update_start() {
-    auto start = published();
-    for (const auto& held_bucket : held()) {
-      if (held_bucket.place.bucket_index == 0) start = std::min(start, held_bucket.bucket);
+  // Unsynced: skips the held buckets from next_bucket on that are not an update's first (as
+  // their places say), each released as if read (the producer counts it, and may reuse its
+  // slot once we are past it); stops at one that begins an update or is not held. Leased for
+  // the count: a claim between our look and the count would reset it.
+  void skip_update_tails() {
+    for (std::uint32_t turn = 0; turn <= slot_count; ++turn) {
+      auto bucket = next_bucket;
+      auto expected = ipc::generation_of(bucket);
+      auto s = slot_holding(bucket);
+      if (!s) return;
+      auto place = place_in(*s);
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (ipc::atomic(generation(*s)).load(std::memory_order_relaxed) != expected || place.bucket_index == 0) return;
+      if (!set_lease(*s, true)) fail_record_taken();
+      if (ipc::atomic(generation(*s)).load(std::memory_order_seq_cst) != expected) {
+        set_lease(*s, false);
+        return;
+      }
+      release(*s, expected);
+      set_next_bucket(bucket + 1);
     }
-    return start;
   }
 
   // The slot holding `bucket`: slot bucket % slots first, where `block` puts it.
@@ -295,7 +307,8 @@ struct detail::SubscriberState {
   // where we stand.
   void skip_to_newest_update() {
     auto newest = newest_complete_update(held());
-    if (newest && *newest > next_bucket) {
+    // Below `published`: a generation a peer wrote past it leads nowhere.
+    if (newest && *newest > next_bucket && *newest < published()) {
       set_next_bucket(*newest);
       position = Position::AtBoundary;
     }
@@ -449,13 +462,13 @@ ipc::Segment open_live_channel(std::string_view channel, std::chrono::millisecon
       auto* control = reinterpret_cast<ipc::ControlBlock*>(segment->data());
       // Acquire: the magic is written last, after the producer took its lock.
       if (ipc::atomic(control->magic).load(std::memory_order_acquire) == ipc::kControlMagic) {
-        bool alive = ipc::held_by_other(segment->descriptor(), ipc::kProducerLockByte);
+        auto holder = ipc::holder_of(name, *segment);
         bool closed = ipc::atomic(control->closed).load(std::memory_order_acquire) != 0;
-        if (alive && !closed) return std::move(*segment);
-        if (!alive) {
-          last_seen = "; the leftovers of its dead producer (" + std::string("pid ") +
+        if (holder == ipc::Holder::kProducer && !closed) return std::move(*segment);
+        if (holder != ipc::Holder::kProducer) {
+          last_seen = "; the leftovers of its dead producer (pid " +
                       std::to_string(ipc::load_label(control->producer).pid) + ") were removed";
-          ipc::remove_if_dead(channel, name, *segment);
+          if (holder == ipc::Holder::kNobody) ipc::remove_if_dead(channel, name, *segment);
         } else {
           last_seen = "; its producer was closing it";
         }
@@ -508,13 +521,20 @@ std::shared_ptr<detail::SubscriberState> attach_state(std::string_view channel, 
   // Claimed, with next_bucket 0, before choosing where to start: the producer cannot reuse
   // the oldest slot between our look at it and our cursor landing on it. If it claimed a slot
   // before seeing our claim, our look (after the claim, seq_cst) sees that slot odd.
-  state->set_next_bucket(options.whole_updates ? state->first_update_start() : state->oldest_available());
+  state->set_next_bucket(state->oldest_available());
+  // A joiner of whole updates passes over the tail of one under way now, so that it does not
+  // hold the producer back for buckets it will not take.
+  if (options.whole_updates) state->skip_update_tails();
   ipc::futex_bump_and_wake(control->producer_wake);
   return state;
 }
 
-// Every code a bucket that failed verification throws with: such a bucket was skipped.
-bool skipped_bucket(ErrorCode code) { return code != ErrorCode::ProducerGone && code != ErrorCode::SystemError; }
+// What is left of a wait until `deadline` (none: without limit), for a call that takes a timeout.
+std::chrono::milliseconds time_left(Clock::time_point deadline) {
+  if (deadline == Clock::time_point::max()) return std::chrono::milliseconds::max();
+  return std::max(std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()), std::chrono::milliseconds(0));
+}
+
 
 }  // namespace
 
@@ -549,6 +569,7 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
     if (state.policy == ipc::SlotPolicy::kLatest && state.position != Position::InUpdate) {
       state.skip_to_newest_update();
     }
+    if (state.position == Position::Unsynced) state.skip_update_tails();
     // Published first, then the slots: a bucket counted as published is found in one, or
     // was overwritten since.
     auto published = state.published();
@@ -559,20 +580,16 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
     if (held_in) {
       auto s = *held_in;
       auto& generation = state.generation(s);
-      // A joiner skips to an update's first bucket; the place read is confirmed by the
-      // generation after it (and the manifest decides, below).
-      if (state.position == Position::Unsynced) {
-        auto place = state.place_in(s);
-        std::atomic_thread_fence(std::memory_order_acquire);
-        if (ipc::atomic(generation).load(std::memory_order_relaxed) == expected && place.bucket_index != 0) {
-          state.set_next_bucket(bucket + 1);
-          continue;
-        }
-      }
       // Take the lease, then confirm the producer did not start rewriting meanwhile.
       if (!state.set_lease(s, true)) state.fail_record_taken();
-      if (ipc::atomic(generation).load(std::memory_order_seq_cst) != expected) {
+      if (auto now_generation = ipc::atomic(generation).load(std::memory_order_seq_cst); now_generation != expected) {
         state.release(s, expected);
+        // A producer probing the slot (odd) backs off for our lease: wait until it did, or
+        // the bucket would look overwritten below.
+        while (ipc::atomic(generation).load(std::memory_order_acquire) == now_generation &&
+               ipc::being_written(now_generation) && Clock::now() < deadline) {
+          ipc::cpu_relax();
+        }
         if (Clock::now() >= deadline) return std::nullopt;
         continue;
       }
@@ -580,6 +597,8 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
       auto lease = std::make_unique<detail::Lease>(owner, s, expected);
       // Whatever happens below, this bucket is done for us: advance before anything throws.
       state.set_next_bucket(bucket + 1);
+      // And its update is lost to a consumer of whole updates, until it is handed out below.
+      auto position = std::exchange(state.position, state.whole_updates ? Position::Unsynced : state.position);
       auto place = state.place_in(s);  // stable while leased
       lease->mapping = state.map_slot(s);
       lease->stream = stream;
@@ -594,7 +613,6 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
           if (e.code() != ErrorCode::ManifestMismatch) {
             ipc::atomic(control->slots[s].manifest_doubt).store(1, std::memory_order_relaxed);
           }
-          if (state.whole_updates) state.position = Position::Unsynced;  // its update is lost to us
           throw;
         }
       }();
@@ -606,7 +624,10 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
         fail(ErrorCode::Torn, "the segment of slot ", s, " of channel ", Quoted{state.channel},
              " was truncated by another process while bucket ", bucket, " was read");
       }
-      if (state.position == Position::Unsynced && view.bucket_index() != 0) continue;  // released on the way
+      if (position == Position::Unsynced && view.bucket_index() != 0) {  // released on the way
+        if (Clock::now() >= deadline) return std::nullopt;
+        continue;
+      }
       if (mapping.imported) state.ready_on_device(mapping, view, options, stream, bucket);
       bool ends_update = view.bucket_index() + 1 == view.bucket_count();
       state.position = ends_update ? Position::AtBoundary : Position::InUpdate;
@@ -635,7 +656,7 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
     }
     if (!state.record_is_ours()) state.fail_record_taken();
     if (state.producer_gone(now)) {
-      if (state.slot_holding(bucket)) continue;
+      if (state.slot_holding(bucket) && now < deadline) continue;
       fail(ErrorCode::ProducerGone, "producer of channel ", Quoted{state.channel},
            " is gone; every published bucket was received");
     }
@@ -655,6 +676,7 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
   }
   if (producer_gone_ && options_.follow_restarts) {
     // The next producer of the channel, within this call's timeout; nothing arrived when none came.
+    auto deadline = ipc::deadline_after(timeout);
     try {
       state_ = attach_state(state.channel, timeout, options_);
     } catch (const Error& e) {
@@ -663,7 +685,7 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
     }
     producer_gone_ = false;
     pending_.clear();
-    return next(timeout, options, stream);
+    return next(time_left(deadline), options, stream);
   }
   try {
     return receive(state_, timeout, options, stream);
@@ -679,12 +701,11 @@ std::optional<ReceivedUpdate> Subscriber::next_update(std::chrono::milliseconds 
   VerifyOptions each = options;
   each.expected = nullptr;  // a bucket is part of the model: checked against it as a whole below
   for (;;) {
-    auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
     std::optional<ReceivedBucket> bucket;
     try {
-      bucket = next(std::max(left, std::chrono::milliseconds(0)), each, stream);
-    } catch (const Error& e) {
-      if (skipped_bucket(e.code()) || e.code() == ErrorCode::ProducerGone) pending_.clear();
+      bucket = next(time_left(deadline), each, stream);
+    } catch (const Error&) {
+      pending_.clear();  // a bucket of it failed, or the producer is gone: it cannot be completed
       throw;
     }
     if (!bucket) return std::nullopt;
@@ -705,11 +726,15 @@ std::optional<ReceivedUpdate> Subscriber::next_update(std::chrono::milliseconds 
                      last->view().bucket_index() + 1 == view.bucket_index();
       if (!follows) {  // the rest of an update we cannot have whole
         pending_.clear();
+        if (Clock::now() >= deadline) return std::nullopt;
         continue;
       }
     }
     pending_.push_back(std::move(*bucket));
-    if (pending_.size() < pending_.front().view().bucket_count()) continue;
+    if (pending_.size() < pending_.front().view().bucket_count()) {
+      if (Clock::now() >= deadline) return std::nullopt;
+      continue;
+    }
     ReceivedUpdate update(std::exchange(pending_, {}));
     if (options.expected != nullptr) check_expected(update.manifest(), *options.expected);
     return update;

@@ -3,7 +3,9 @@
 // channel across producer restarts). Peers are threads of this process or forked processes.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "channel_support.hpp"
+#include "ipc/liveness.hpp"
 #include "support.hpp"
 
 namespace tensorbucket {
@@ -82,6 +85,24 @@ TEST_F(Updates, ALateJoinerStartsAtTheNextUpdatesFirstBucket) {
       }
     }
   }
+}
+
+// A joiner that passes over the tail of an update counts each bucket it skips as released:
+// else, under `block` with min_consumers 1, a bucket nobody else read stalled the producer.
+TEST_F(Updates, BucketsAJoinerSkipsDoNotStallTheProducer) {
+  Workload workload{.tensors = 2, .tensor_bytes = 64, .update_buckets = 2};
+  auto publisher = Publisher::create(channel, {.slots = 3});
+  {
+    auto first = Subscriber::attach(channel, 1s);
+    for (std::uint64_t i = 0; i < 3; ++i) ASSERT_TRUE(publish(publisher, workload, i));
+    next_bucket(first);  // bucket 0, then it leaves: bucket 1 was read by nobody
+  }
+  ASSERT_TRUE(publish(publisher, workload, 3));
+  auto joiner = Subscriber::attach(channel, 1s);  // the slots hold (0, 1), (1, 0), (1, 1)
+  ASSERT_TRUE(publish(publisher, workload, 4, 0ms)) << publisher.waiting_for();  // into bucket 1's slot
+  auto bucket = next_bucket(joiner);
+  EXPECT_EQ(bucket.sequence(), 2u);
+  EXPECT_EQ(bucket.view().bucket_index(), 0u);
 }
 
 TEST_F(Updates, ATakeEverythingSubscriberStartsAtTheOldestHeldBucket) {
@@ -284,6 +305,36 @@ TEST_F(Updates, AttachNeverAttachesToADeadProducersLeftovers) {
   ASSERT_TRUE(publish(publisher, workload, 0));
   auto bucket = next_bucket(subscriber);
   EXPECT_EQ(bucket.incarnation(), publisher.incarnation());
+}
+
+// Whoever removes a dead producer's leftovers holds its lock byte meanwhile: an attacher must
+// not take that for a live producer and attach to the dead one's channel.
+TEST_F(Updates, AnAttacherDoesNotTakeARemoverForALiveProducer) {
+  Child dead([&] {
+    auto publisher = Publisher::create(channel);
+    ::kill(::getpid(), SIGKILL);
+    return 0;
+  });
+  EXPECT_EQ(dead.wait(), -SIGKILL);
+  int fd = ::shm_open(("/" + test::control_name(channel)).c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  auto lock = [&](off_t byte, short type) {
+    struct flock range{};
+    range.l_type = type;
+    range.l_whence = SEEK_SET;
+    range.l_start = byte;
+    range.l_len = 1;
+    return ::fcntl(fd, F_OFD_SETLK, &range) == 0;
+  };
+  ASSERT_TRUE(lock(ipc::kRemoverLockByte, F_WRLCK));  // as a remover does: its byte first,
+  ASSERT_TRUE(lock(ipc::kProducerLockByte, F_WRLCK));  // then the dead producer's
+  expect_error(ErrorCode::ChannelMissing, [&] { Subscriber::attach(channel, 100ms); });
+  EXPECT_FALSE(segments_of(channel).empty());  // left to the remover
+  lock(ipc::kProducerLockByte, F_UNLCK);
+  lock(ipc::kRemoverLockByte, F_UNLCK);
+  ::close(fd);
+  expect_error(ErrorCode::ChannelMissing, [&] { Subscriber::attach(channel, 100ms); });
+  EXPECT_EQ(segments_of(channel), std::vector<std::string>{});  // the attacher removed them
 }
 
 TEST_F(Updates, AnAttacherWaitsForTheProducerThatReplacesADeadOne) {
