@@ -535,7 +535,6 @@ std::chrono::milliseconds time_left(Clock::time_point deadline) {
   return std::max(std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()), std::chrono::milliseconds(0));
 }
 
-
 }  // namespace
 
 Subscriber Subscriber::attach(std::string_view channel, std::chrono::milliseconds timeout,
@@ -584,10 +583,12 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
       if (!state.set_lease(s, true)) state.fail_record_taken();
       if (auto now_generation = ipc::atomic(generation).load(std::memory_order_seq_cst); now_generation != expected) {
         state.release(s, expected);
-        // A producer probing the slot (odd) backs off for our lease: wait until it did, or
-        // the bucket would look overwritten below.
+        // A producer probing the slot (odd) backs off for our lease within microseconds: wait
+        // for that, or the bucket would look overwritten below. One that claimed it is writing
+        // the slot: not worth spinning for.
+        auto probe_end = std::min(deadline, Clock::now() + kSpin);
         while (ipc::atomic(generation).load(std::memory_order_acquire) == now_generation &&
-               ipc::being_written(now_generation) && Clock::now() < deadline) {
+               ipc::being_written(now_generation) && Clock::now() < probe_end) {
           ipc::cpu_relax();
         }
         if (Clock::now() >= deadline) return std::nullopt;
@@ -717,8 +718,9 @@ std::optional<ReceivedUpdate> Subscriber::next_update(std::chrono::milliseconds 
            " slots: next_update() holds a whole update at once, so the channel needs slots >= ", view.bucket_count(),
            " (take its buckets one by one with next())");
     }
-    if (view.bucket_index() == 0) pending_.clear();  // an update left unfinished is dropped
-    if (view.bucket_index() != 0) {
+    if (view.bucket_index() == 0) {
+      pending_.clear();  // an update left unfinished is dropped
+    } else {
       const auto* last = pending_.empty() ? nullptr : &pending_.back();
       bool follows = last != nullptr && last->incarnation() == bucket->incarnation() &&
                      last->sequence() + 1 == bucket->sequence() && last->view().version() == view.version() &&
