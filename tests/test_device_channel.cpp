@@ -64,6 +64,53 @@ TEST_F(DeviceChannel, ForkedConsumerReceivesEveryByteOfEveryBucket) {
   EXPECT_EQ(StandIn::copies, static_cast<int>(workload.buckets * workload.tensors));
 }
 
+// Whole updates on a device channel, under both policies: a forked consumer holds each update
+// (every bucket's slot imported and ready on its stream) and releases it on a stream.
+TEST_F(DeviceChannel, WholeUpdatesTravelUnderBothPolicies) {
+  for (auto policy : {OverflowPolicy::Block, OverflowPolicy::Latest}) {
+    SCOPED_TRACE(std::string(to_string(policy)));
+    auto run_channel = channel + "-" + std::string(to_string(policy));
+    Workload workload{.tensors = 4, .tensor_bytes = 512, .update_buckets = 3};
+    auto options = on_device();
+    options.slots = 6;
+    options.max_consumers = 1;
+    options.policy = policy;
+    options.update_buckets = 3;
+    auto publisher = Publisher::create(run_channel, options);
+    test::Signal ready;
+    Child consumer([&] {
+      auto subscriber = Subscriber::attach(run_channel, 10s, {.expected_location = PayloadLocation::Kind::Cuda});
+      ready.send();
+      std::optional<std::uint64_t> last;
+      for (;;) {
+        std::optional<ReceivedUpdate> update;
+        try {
+          update = subscriber.next_update(10s);
+        } catch (const Error& e) {
+          if (e.code() == ErrorCode::ProducerGone) return last == 9u ? 0 : 7;
+          throw;
+        }
+        if (!update || update->buckets().size() != 3) return 3;
+        if (last && update->version() <= *last) return 4;
+        for (const auto& bucket : update->buckets()) {
+          if (bucket.view().location() != PayloadLocation::cuda(0)) return 5;
+          auto index = update->version() * 3 + bucket.view().bucket_index();
+          if (!cli::check_bucket(bucket.view(), workload.seed, index, bucket.copy_to_host()).empty()) return 6;
+        }
+        last = update->version();
+        update->release(reinterpret_cast<CudaStream>(0x5));
+      }
+    });
+    ASSERT_TRUE(ready.receive());
+    for (std::uint64_t i = 0; i < 30; ++i) {
+      ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, i).builder, 10s)) << publisher.waiting_for();
+    }
+    ASSERT_TRUE(publisher.drain(10s));
+    publisher.close();
+    EXPECT_EQ(consumer.wait(), 0);
+  }
+}
+
 TEST_F(DeviceChannel, SlotsAreImportedOncePerEpochAndClosedWhenReplaced) {
   auto publisher = Publisher::create(channel, on_device());
   Child consumer([&] {
