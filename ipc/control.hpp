@@ -160,9 +160,9 @@ struct ControlBlock {
   std::uint64_t updates;        // updates begun so far (buckets with index 0 published)
   SlotControl slots[kMaxSlots];
   ConsumerRecord consumers[kMaxConsumers];
+  SlotUpdate slot_updates[kMaxSlots];
   SlotDevice device_slots[kMaxSlots];        // CUDA channels only
   ReleaseEvents release_events[kMaxConsumers];  // CUDA channels only
-  SlotUpdate slot_updates[kMaxSlots];
 };
 
 static_assert(std::is_trivially_copyable_v<ControlBlock>);
@@ -175,8 +175,8 @@ static_assert(offsetof(ControlBlock, slots) == 128);
 static_assert(sizeof(SlotDevice) == 192 && sizeof(ReleaseEvents) == kMaxSlots * kDeviceHandleBytes);
 static_assert(std::is_trivially_copyable_v<SlotDevice> && std::is_trivially_copyable_v<ReleaseEvents>);
 static_assert(sizeof(SlotUpdate) == 24 && std::is_trivially_copyable_v<SlotUpdate>);
-static_assert(sizeof(ControlBlock) == 128 + kMaxSlots * 64 + kMaxConsumers * 64 + kMaxSlots * 192 +
-                                          kMaxConsumers * sizeof(ReleaseEvents) + kMaxSlots * sizeof(SlotUpdate));
+static_assert(sizeof(ControlBlock) == 128 + kMaxSlots * 64 + kMaxConsumers * 64 + kMaxSlots * sizeof(SlotUpdate) +
+                                          kMaxSlots * 192 + kMaxConsumers * sizeof(ReleaseEvents));
 static_assert(std::atomic_ref<std::uint64_t>::is_always_lock_free);
 
 template <class T>
