@@ -232,18 +232,23 @@ struct detail::PublisherState {
   // Words `blocker` into `waiting_for`, for a wait that timed out. Too few releases: a live
   // consumer that still holds or has not read the bucket is named if there is one.
   void word_blocker() {
+    bool attached = false;  // any live consumer
     for (std::uint32_t r = 0; r < ipc::kMaxConsumers && !blocker.record; ++r) {
       auto claim = ipc::atomic(control->consumers[r].claim).load(std::memory_order_acquire);
       bool leased = (ipc::claim_leases(claim) & (1u << blocker.slot)) != 0;
-      if (ipc::claim_token(claim) != 0 && ipc::held_by_other(control_segment.descriptor(), ipc::consumer_lock_byte(r)) &&
-          (leased || ipc::atomic(control->consumers[r].next_bucket).load(std::memory_order_acquire) <= blocker.bucket)) {
+      if (ipc::claim_token(claim) == 0 || !ipc::held_by_other(control_segment.descriptor(), ipc::consumer_lock_byte(r))) {
+        continue;
+      }
+      attached = true;
+      if (leased || ipc::atomic(control->consumers[r].next_bucket).load(std::memory_order_acquire) <= blocker.bucket) {
         blocker.record = r;
         blocker.leased = leased;
       }
     }
     if (!blocker.record) {
-      waiting_for = "consumers to release bucket " + std::to_string(blocker.bucket) + " (min_consumers is " +
-                    std::to_string(options.min_consumers) + "; " + std::to_string(blocker.releases) + " did)";
+      waiting_for = (attached ? "consumers" : "a consumer (none is attached)") + std::string(" to release bucket ") +
+                    std::to_string(blocker.bucket) + " (min_consumers is " + std::to_string(options.min_consumers) +
+                    "; " + std::to_string(blocker.releases) + " did)";
       return;
     }
     auto& record = control->consumers[*blocker.record];

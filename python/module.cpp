@@ -27,10 +27,9 @@ using torch_bridge::NamedTensors;
 
 namespace {
 
-// Raised by publish() when no slot came free; becomes tensorbucket.Timeout.
-struct PublishTimeout {};
-// Raised by a wait for an update that ended at its timeout; becomes tensorbucket.Timeout.
-struct ReceiveTimeout {
+// Raised by a wait that ended at its timeout (a publish() that found no free slot, an
+// iteration over updates that found none); becomes tensorbucket.Timeout with `message`.
+struct WaitTimeout {
   std::string message;
 };
 
@@ -372,7 +371,7 @@ class PyPublisher {
                std::optional<double> timeout) {
     auto deadline = deadline_in(timeout);
     auto turn = take_turn(turn_, deadline);
-    if (!turn) throw PublishTimeout{};
+    if (!turn) throw WaitTimeout{"another thread's call on channel '" + publisher_.channel() + "' took the whole timeout; nothing was published"};
     auto group_list = to_groups(groups);
     if (kept_ && kept_->groups == group_list && stage_kept(tensors)) {
       try {
@@ -453,7 +452,11 @@ class PyPublisher {
       stop_if_closing("; nothing was published");
       return torch_bridge::publish_in_place(publisher_, kept_->builder, staged_, slice, stream);
     });
-    if (!published) throw PublishTimeout{};
+    if (!published) {
+      auto waited_for = publisher_.waiting_for();
+      throw WaitTimeout{"no slot of channel '" + publisher_.channel() + "' came free in time, waiting for " +
+                        (waited_for.empty() ? std::string("a consumer") : waited_for) + "; nothing was published"};
+    }
     published_ = publisher_.published();
   }
 
@@ -796,7 +799,7 @@ class PyUpdates {
         throw py::stop_iteration();
       }
       if (!update) {
-        throw ReceiveTimeout{"no whole update arrived within " + as_text(*timeout_) + " s"};
+        throw WaitTimeout{"no whole update arrived within " + as_text(*timeout_) + " s"};
       }
       previous_ = py::cast(std::move(*update));
       return previous_;
@@ -839,11 +842,15 @@ void load_into(const py::object& module, const py::handle& tensors) {
   OutsideGil::run([&] { torch_bridge::load_into(targets, sources); });
 }
 
-// Sets `type` as the pending Python error. PyErr_SetString, not exception::operator()
-// (deprecated in pybind11 2.12) nor set_error() (new in 2.12): the module builds with whichever
-// pybind11 its torch ships.
-void raise_as(const py::exception<Error>& type, const std::string& message) {
-  PyErr_SetString(type.ptr(), message.c_str());
+// Sets an instance of `type` as the pending Python error, its `code` attribute the ErrorCode's
+// name. The message names the code first only where the class does not already say it
+// (ManifestError: "Overlap: ...", not "ProducerGone: ProducerGone: ...").
+void raise_as(const py::exception<Error>& type, std::string_view code, const std::string& message) {
+  auto name = type.attr("__name__").cast<std::string>();
+  auto text = name == code ? message : std::string(code) + ": " + message;
+  auto instance = py::reinterpret_borrow<py::object>(type)(text);
+  instance.attr("code") = py::str(code.data(), code.size());
+  PyErr_SetObject(type.ptr(), instance.ptr());
 }
 
 }  // namespace
@@ -853,41 +860,42 @@ PYBIND11_MODULE(tensorbucket, m) {
   // that imported only tensorbucket crashed on its first view.
   py::module_::import("torch");
 
+  m.attr("__version__") = TENSORBUCKET_VERSION;
   m.doc() = "Move named torch tensors between processes as verified zero-copy buckets.\n\n"
             "Every timeout is in seconds; None waits without limit. Ctrl+C interrupts any wait, "
             "and an interrupted publish() has published nothing. Threads sharing a Publisher or a "
             "Subscriber take turns.";
 
-  // One Python class per error family, all under tensorbucket.Error.
+  // One Python class per error family, all under tensorbucket.Error; those a Python user would
+  // catch as a builtin are that builtin too.
   static py::exception<Error> error(m, "Error");
   static py::exception<Error> manifest_error(m, "ManifestError", error.ptr());
   static py::exception<Error> checksum_mismatch(m, "ChecksumMismatch", error.ptr());
-  static py::exception<Error> timeout(m, "Timeout", error.ptr());
+  static py::exception<Error> timeout(m, "Timeout", py::make_tuple(error, py::handle(PyExc_TimeoutError)));
   static py::exception<Error> producer_gone(m, "ProducerGone", error.ptr());
   static py::exception<Error> channel_error(m, "ChannelError", error.ptr());
   static py::exception<Error> device_error(m, "DeviceError", error.ptr());
+  static py::exception<Error> invalid_argument(m, "InvalidArgument", py::make_tuple(error, py::handle(PyExc_ValueError)));
   py::register_exception_translator([](std::exception_ptr raised) {
     try {
       if (raised) std::rethrow_exception(raised);
-    } catch (const PublishTimeout&) {
-      raise_as(timeout, "Timeout: no slot came free in time; nothing was published");
-    } catch (const ReceiveTimeout& e) {
-      raise_as(timeout, "Timeout: " + e.message);
+    } catch (const WaitTimeout& e) {
+      raise_as(timeout, "Timeout", e.message);
     } catch (const Error& e) {
-      auto message = std::string(to_string(e.code())) + ": " + e.what();
+      auto code = to_string(e.code());
       switch (e.code()) {
-        case ErrorCode::ChecksumMismatch: raise_as(checksum_mismatch, message); return;
-        case ErrorCode::ProducerGone: raise_as(producer_gone, message); return;
+        case ErrorCode::ChecksumMismatch: raise_as(checksum_mismatch, code, e.what()); return;
+        case ErrorCode::ProducerGone: raise_as(producer_gone, code, e.what()); return;
         case ErrorCode::ChannelExists:
         case ErrorCode::ChannelMissing:
         case ErrorCode::PermissionDenied:
         case ErrorCode::ChannelFull:
-        case ErrorCode::LocationMismatch: raise_as(channel_error, message); return;
+        case ErrorCode::LocationMismatch: raise_as(channel_error, code, e.what()); return;
         case ErrorCode::CudaUnavailable:
         case ErrorCode::DeviceNotVisible:
-        case ErrorCode::CudaFailed: raise_as(device_error, message); return;
-        case ErrorCode::InvalidArgument:
-        case ErrorCode::SystemError: raise_as(error, message); return;
+        case ErrorCode::CudaFailed: raise_as(device_error, code, e.what()); return;
+        case ErrorCode::InvalidArgument: raise_as(invalid_argument, code, e.what()); return;
+        case ErrorCode::SystemError: raise_as(error, code, e.what()); return;
         // Every way a bucket fails verification. Listed, not a default: a new code must be
         // placed here on purpose (the compiler names a missing one).
         case ErrorCode::MissingManifest:
@@ -904,7 +912,7 @@ PYBIND11_MODULE(tensorbucket, m) {
         case ErrorCode::IncompleteGroup:
         case ErrorCode::Unmaterialized:
         case ErrorCode::ManifestMismatch:
-        case ErrorCode::Torn: raise_as(manifest_error, message); return;
+        case ErrorCode::Torn: raise_as(manifest_error, code, e.what()); return;
       }
     }
   });

@@ -838,3 +838,37 @@ def test_a_bucket_says_when_it_was_published_on_the_monotonic_clock(channel):
         bucket = subscriber.next(timeout=5)
         after = time.monotonic_ns()
         assert before <= bucket.publish_start_ns <= bucket.published_ns <= after
+
+
+def test_version_is_the_meson_project_version():
+    meson_build = (pathlib.Path(__file__).resolve().parents[2] / "meson.build").read_text()
+    assert tensorbucket.__version__ == re.search(r"version: '([^']+)'", meson_build).group(1)
+
+
+def test_errors_are_also_the_builtins_a_python_user_catches(channel):
+    assert issubclass(tensorbucket.Timeout, TimeoutError) and issubclass(tensorbucket.Timeout, tensorbucket.Error)
+    assert issubclass(tensorbucket.InvalidArgument, ValueError)
+    with pytest.raises(ValueError, match="^slots must be 1..16, not 99$") as refused:
+        tensorbucket.Publisher(channel, slots=99)
+    assert refused.value.code == "InvalidArgument"
+    with tensorbucket.Publisher(channel) as publisher, tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+        publisher.publish({"w": torch.ones(2)})
+        subscriber.next(timeout=5).release()
+        publisher.close()
+        with pytest.raises(tensorbucket.ProducerGone) as gone:
+            subscriber.next(timeout=5)
+        assert str(gone.value).startswith("producer of channel") and gone.value.code == "ProducerGone"
+
+
+def test_a_publish_timeout_names_what_held_it_back(channel):
+    with tensorbucket.Publisher(channel, slots=1) as publisher:
+        publisher.publish({"w": torch.ones(2)})
+        with pytest.raises(TimeoutError, match=f"no slot of channel '{channel}' came free in time, waiting for a "
+                                               r"consumer \(none is attached\)"):
+            publisher.publish({"w": torch.ones(2)}, timeout=0.05)
+        with tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+            held = subscriber.next(timeout=5)
+            with pytest.raises(tensorbucket.Timeout, match=f"consumer pid {os.getpid()} .*which still holds bucket 0; "
+                                                           "nothing was published"):
+                publisher.publish({"w": torch.ones(2)}, timeout=0.05)
+            held.release()
