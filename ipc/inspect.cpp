@@ -1,6 +1,9 @@
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <optional>
+#include <regex>
+#include <set>
 
 #include "control.hpp"
 #include "liveness.hpp"
@@ -123,6 +126,28 @@ ChannelInfo inspect_channel(std::string_view channel) {
   bool known_home = home == ipc::PayloadHome::kHost || home == ipc::PayloadHome::kCuda;
   if (newest && known_home) info.newest_manifest = read_manifest(channel, *newest, control->slots[*newest], home);
   return info;
+}
+
+std::vector<std::string> list_channels() {
+  // POSIX shared memory objects are the files of /dev/shm on Linux.
+  const std::string prefix = ipc::control_segment_name("");
+  std::set<std::string> names;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", error)) {
+    auto name = entry.path().filename().string();
+    if (name.starts_with(prefix) && name.size() > prefix.size()) names.insert(name.substr(prefix.size()));
+  }
+  if (error) text::fail(ErrorCode::SystemError, "cannot list /dev/shm: ", error.message());
+  // A slot's segment is its channel's name and ".slot<s>.<epoch>": one, when that channel is
+  // there too (a channel's own name may end that way).
+  static const std::regex slot_suffix(R"((.+)\.slot[0-9]+\.[0-9]+)");
+  std::vector<std::string> channels;
+  for (const auto& name : names) {
+    std::smatch parts;
+    if (std::regex_match(name, parts, slot_suffix) && names.contains(parts[1].str())) continue;
+    channels.push_back(name);
+  }
+  return channels;
 }
 
 }  // namespace tensorbucket

@@ -5,6 +5,8 @@
 
 #include "control.hpp"
 #include "liveness.hpp"
+#include "serialize/text.hpp"
+#include "tensorbucket/channel.hpp"
 
 namespace tensorbucket::ipc {
 
@@ -18,7 +20,7 @@ Holder holder_of(const std::string& name, const Segment& segment) {
 }
 
 Holder remove_if_dead(std::string_view channel, const std::string& name, const Segment& stale) {
-  struct Locked {
+  struct Locked {  // let go of when it goes
     int fd;
     off_t byte;
     ~Locked() { unlock(fd, byte); }
@@ -28,6 +30,11 @@ Holder remove_if_dead(std::string_view channel, const std::string& name, const S
   if (!try_lock(stale.descriptor(), kProducerLockByte)) return Holder::kProducer;
   Locked producer{stale.descriptor(), kProducerLockByte};  // let go of before the remover's byte
   if (!stale.named(name)) return Holder::kNobody;  // removed or replaced meanwhile: not ours to remove
+  remove_names(channel, name, stale);
+  return Holder::kNobody;
+}
+
+void remove_names(std::string_view channel, const std::string& name, const Segment& stale) {
   if (stale.size() >= sizeof(ControlBlock)) {
     auto* control = reinterpret_cast<ControlBlock*>(stale.data());
     // The dead producer may have died growing a slot, between creating one epoch and
@@ -41,7 +48,26 @@ Holder remove_if_dead(std::string_view channel, const std::string& name, const S
     }
   }
   Segment::remove(name);
-  return Holder::kNobody;
 }
 
 }  // namespace tensorbucket::ipc
+
+namespace tensorbucket {
+
+void remove_channel(std::string_view channel, bool force) {
+  ipc::validate_channel_name(channel);
+  auto name = ipc::control_segment_name(channel);
+  auto stale = ipc::Segment::open(name, 0, true, ipc::Locks::kKept);
+  if (!stale) text::fail(ErrorCode::ChannelMissing, "channel ", text::Quoted{channel}, " does not exist");
+  if (force) return ipc::remove_names(channel, name, *stale);
+  switch (ipc::remove_if_dead(channel, name, *stale)) {
+    case ipc::Holder::kNobody: return;
+    case ipc::Holder::kRemover:
+      text::fail(ErrorCode::ChannelExists, "channel ", text::Quoted{channel}, " is being removed by another process");
+    case ipc::Holder::kProducer:
+      text::fail(ErrorCode::ChannelExists, "channel ", text::Quoted{channel},
+                 " has a live producer; stop it (or --force, see tbucket rm --help)");
+  }
+}
+
+}  // namespace tensorbucket

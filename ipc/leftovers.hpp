@@ -26,4 +26,8 @@ Holder holder_of(const std::string& name, const Segment& segment);
 // `stale`).
 Holder remove_if_dead(std::string_view channel, const std::string& name, const Segment& stale);
 
+// Unlinks channel `channel`'s control segment `stale` (mapped under `name`) and the slot
+// segments its control block names, whoever holds them.
+void remove_names(std::string_view channel, const std::string& name, const Segment& stale);
+
 }  // namespace tensorbucket::ipc

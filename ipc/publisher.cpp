@@ -498,6 +498,9 @@ struct detail::PublisherState {
   }
 
   void remove_segments() noexcept {
+    // Our names were removed from under us (`tbucket rm --force`), and may name another
+    // producer's channel by now: leave them alone.
+    if (!control_segment.named(ipc::control_segment_name(channel))) return;
     for (auto& slot : slots) slot.storage.remove();
     ipc::Segment::remove(ipc::control_segment_name(channel));
   }

@@ -205,6 +205,43 @@ TEST_F(Cli, FollowingConsumerGoesOnWithTheNextProducer) {
   EXPECT_NE(consumer.err().find("waiting for its next producer"), std::string::npos) << consumer.err();
 }
 
+TEST_F(Cli, ListShowsEveryChannelAndRmRemovesOnlyADeadProducersLeftovers) {
+  auto dead = "tbcli-dead-" + std::to_string(::getpid());
+  Tbucket killed({"produce", "--channel", dead, "--buckets", "100", "--timeout-ms", "60000"});
+  ASSERT_TRUE(test::wait_until([&] {
+    try {
+      return inspect_channel(dead).published == 2;  // both slots filled: it waits for a consumer
+    } catch (const Error&) {
+      return false;  // not there yet
+    }
+  }, 10s));
+  killed.signal(SIGKILL);
+  EXPECT_EQ(killed.finish(), 128 + SIGKILL);
+  auto publisher = Publisher::create(channel);
+
+  Tbucket text({"list"});
+  ASSERT_EQ(text.finish(), 0);
+  auto pid = std::to_string(::getpid());
+  EXPECT_NE(text.out().find(channel + ": producer pid " + pid + " alive, incarnation "), std::string::npos) << text.out();
+  EXPECT_NE(text.out().find(dead + ": producer pid "), std::string::npos) << text.out();
+  EXPECT_NE(text.out().find(" dead (leftovers: tbucket rm removes them)"), std::string::npos) << text.out();
+  Tbucket json({"list", "--json"});
+  ASSERT_EQ(json.finish(), 0);
+  EXPECT_NE(json.out().find("{\"channel\":\"" + channel + "\",\"producer_pid\":" + pid + ",\"producer_alive\":true,"),
+            std::string::npos) << json.out();
+
+  EXPECT_EQ(run({"rm", channel}), 6);  // a live producer's: refused
+  auto named = [](const std::string& name) { return std::filesystem::exists("/dev/shm/tensorbucket." + name); };
+  EXPECT_TRUE(named(channel));
+  EXPECT_EQ(run({"rm", dead}), 0);
+  EXPECT_FALSE(named(dead));
+  EXPECT_FALSE(named(dead + ".slot0.1"));
+  EXPECT_EQ(run({"rm", dead}), 6);  // nothing left
+  EXPECT_EQ(run({"rm", channel, "--force"}), 0);
+  EXPECT_FALSE(named(channel));
+  publisher.close();  // its names are gone: it leaves alone whatever holds them now
+}
+
 TEST_F(Cli, DeviceOptionsAreCheckedAndAHostConsumerOfADeviceChannelIsRefused) {
   expect_usage_error({"produce", "--channel", channel, "--device", "gpu0"}, "'gpu0' is not 'host', 'cuda' or 'cuda:N'");
   expect_usage_error({"consume", "--channel", channel, "--device", "cuda:x"}, "'cuda:x'");

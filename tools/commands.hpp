@@ -42,6 +42,15 @@ struct InspectOptions {
   bool json = false;
 };
 
+struct ListOptions {
+  bool json = false;
+};
+
+struct RemoveOptions {
+  std::string channel;
+  bool force = false;
+};
+
 struct DemoOptions {
   std::uint32_t layers = 8;
   std::uint64_t seed = 1;
@@ -56,6 +65,8 @@ struct BenchOptions {
 int run_produce(const ProduceOptions& options);
 int run_consume(const ConsumeOptions& options);
 int run_inspect(const InspectOptions& options);
+int run_list(const ListOptions& options);
+int run_remove(const RemoveOptions& options);
 int run_demo(const DemoOptions& options);
 int run_bench(const BenchOptions& options);
 

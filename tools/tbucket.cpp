@@ -107,6 +107,18 @@ int main(int argc, char** argv) {
   inspect_command->add_option("--channel", inspect.channel, "Channel name")->required();
   inspect_command->add_flag("--json", inspect.json, "One JSON object");
 
+  cli::ListOptions list;
+  auto* list_command = app.add_subcommand("list", "Every channel on this host: producer, incarnation, slots, consumers");
+  list_command->add_flag("--json", list.json, "One JSON array");
+
+  cli::RemoveOptions remove;
+  auto* remove_command = app.add_subcommand("rm", "Remove a dead producer's leftovers from /dev/shm");
+  remove_command->add_option("channel", remove.channel, "Channel name")->required();
+  remove_command->add_flag("--force", remove.force,
+                           "Remove a live producer's names too (for a stuck producer): it and its consumers go "
+                           "on with what they mapped, nobody can attach any more, and the name is free for a "
+                           "new producer");
+
   cli::DemoOptions demo;
   auto* demo_command = app.add_subcommand("demo", "A trainer process sends a model update to a server process");
   demo_command->add_option("--layers", demo.layers, "Transformer layers in the model")->check(whole_number(1, 256));
@@ -124,7 +136,7 @@ int main(int argc, char** argv) {
   auto named = [&](const CLI::App* command) { return command->get_name() == argv[1]; };
   if (argc > 1 && argv[1][0] != '-' && app.get_subcommands(named).empty()) {
     std::fprintf(stderr, "tbucket: usage: unknown command '%s'; the commands are produce, consume, "
-                 "inspect, demo and bench (see tbucket --help)\n", argv[1]);
+                 "inspect, list, rm, demo and bench (see tbucket --help)\n", argv[1]);
     return cli::kUsage;
   }
   try {
@@ -137,6 +149,8 @@ int main(int argc, char** argv) {
     if (*produce_command) return cli::run_produce(produce);
     if (*consume_command) return cli::run_consume(consume);
     if (*inspect_command) return cli::run_inspect(inspect);
+    if (*list_command) return cli::run_list(list);
+    if (*remove_command) return cli::run_remove(remove);
     if (*demo_command) return cli::run_demo(demo);
     if (*bench_command) return cli::run_bench(bench);
   } catch (const Error& e) {

@@ -363,4 +363,16 @@ struct ChannelInfo {
 
 ChannelInfo inspect_channel(std::string_view channel);
 
+// The names of the channels in this host's shared memory (/dev/shm), live or left by a dead
+// producer, sorted; for tools (`tbucket list`).
+std::vector<std::string> list_channels();
+
+// Removes what a dead producer of `channel` left in shared memory, as the next producer or
+// attacher of the name would. ChannelMissing when there is nothing, ChannelExists (removing
+// nothing) when its producer lives. With `force`, a live producer's names are removed too, for
+// one that is stuck: it and its consumers keep what they mapped and go on, nobody can attach
+// any more, the name is free for a new producer, and the old one, seeing its names gone, leaves
+// in /dev/shm the slot segments it creates from then on when it closes.
+void remove_channel(std::string_view channel, bool force = false);
+
 }  // namespace tensorbucket
