@@ -33,6 +33,8 @@ constexpr auto kWaitSlice = std::chrono::milliseconds(10);
 // Producers racing for one name each win or lose in one or two rounds; more rounds mean
 // someone keeps creating and removing it.
 constexpr int kNameRounds = 16;
+// How many times a `latest` producer looks over its slots for one nobody leases before it waits.
+constexpr int kLatestLooks = 4;
 
 using ipc::bucket_in;
 using Clock = std::chrono::steady_clock;
@@ -279,13 +281,18 @@ struct detail::PublisherState {
   }
 
   // Under `latest`: the slots from empty, then oldest bucket, to newest, the first nobody leases.
+  // A consumer's leases move while we look (it releases one update, leases the next), so one
+  // look can find every slot leased at the moment it was looked at while fewer ever were at
+  // once: a few looks before the caller waits.
   bool claim_unleased() {
     std::uint32_t order[ipc::kMaxSlots];
     for (std::uint32_t s = 0; s < options.slots; ++s) order[s] = s;
     std::sort(order, order + options.slots,
               [&](std::uint32_t a, std::uint32_t b) { return slots[a].generation < slots[b].generation; });
-    for (std::uint32_t i = 0; i < options.slots; ++i) {
-      if (try_claim(order[i], Need::Leased)) return true;
+    for (int look = 0; look < kLatestLooks; ++look) {
+      for (std::uint32_t i = 0; i < options.slots; ++i) {
+        if (try_claim(order[i], Need::Leased)) return true;
+      }
     }
     return false;
   }

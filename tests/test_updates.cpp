@@ -279,7 +279,7 @@ TEST_F(Updates, LatestConsumerInAnotherProcessSeesOnlyWholeUpdatesInOrder) {
   for (std::uint64_t i = 0; i < kVersions * 3; ++i) {
     ASSERT_TRUE(publish(publisher, workload, i, 0ms)) << "bucket " << i << ": " << publisher.waiting_for();
   }
-  ASSERT_TRUE(publisher.drain(10s));
+  ASSERT_TRUE(publisher.drain(30s)) << publisher.waiting_for();
   publisher.close();
   EXPECT_EQ(slow.wait(), 0);
 }
