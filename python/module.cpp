@@ -39,6 +39,12 @@ using Deadline = std::optional<Clock::time_point>;  // none: no limit
 // The longest a wait runs without the GIL: between slices Python runs its signal handlers.
 constexpr auto kSignalCheck = std::chrono::milliseconds(50);
 
+// CLOCK_MONOTONIC in nanoseconds, as time.monotonic_ns() and the channel's timestamps count.
+std::uint64_t monotonic_ns() {
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
 // How Python writes a float: 0.5, -1.0, nan.
 std::string as_text(double seconds) { return py::str(py::float_(seconds)); }
 
@@ -486,6 +492,7 @@ class PyBucket {
         incarnation_(bucket.incarnation()),
         publish_start_ns_(bucket.publish_start_ns()),
         published_ns_(bucket.published_ns()),
+        received_ns_(monotonic_ns()),
         size_(bucket.view().size()),
         bucket_(std::move(held)),
         views_(size_) {}
@@ -532,6 +539,7 @@ class PyBucket {
   std::uint64_t incarnation() const { return incarnation_; }
   std::uint64_t publish_start_ns() const { return publish_start_ns_; }
   std::uint64_t published_ns() const { return published_ns_; }
+  std::uint64_t received_ns() const { return received_ns_; }
   // The received bucket, for readers of its bytes; InvalidArgument once released.
   std::shared_ptr<const ReceivedBucket> received() const { return live(); }
   // Drops this handle's hold and its views, leaving the release to the update that holds it.
@@ -570,6 +578,7 @@ class PyBucket {
   std::uint64_t incarnation_;
   std::uint64_t publish_start_ns_;
   std::uint64_t published_ns_;
+  std::uint64_t received_ns_;  // when next() handed it over
   std::size_t size_;
   std::shared_ptr<const ReceivedBucket> bucket_;
   std::vector<py::object> views_;  // by entry position; empty until asked for
@@ -927,7 +936,10 @@ PYBIND11_MODULE(tensorbucket, m) {
     }
   }));
 
-  py::class_<PyPublisher>(m, "Publisher")
+  py::class_<PyPublisher>(m, "Publisher",
+                          "The producer of a channel: publishes dicts (or lists of (name, tensor) pairs) "
+                          "as verified buckets into shared memory, or into one GPU's memory. A context "
+                          "manager: leaving it closes the channel and removes its segments.")
       .def(py::init<const std::string&, std::uint32_t, std::uint32_t, std::uint32_t, bool, std::uint32_t,
                     const py::handle&, const std::string&, std::uint32_t>(),
            py::arg("channel"), py::arg("slots") = 2, py::arg("min_consumers") = 1,
@@ -980,7 +992,11 @@ PYBIND11_MODULE(tensorbucket, m) {
                              "When the producer began publishing it, as time.monotonic_ns() counts.")
       .def_property_readonly("published_ns", &PyBucket::published_ns,
                              "When it became visible to consumers, as time.monotonic_ns() counts.")
-      .def("release", &PyBucket::release)
+      .def_property_readonly("received_ns", &PyBucket::received_ns,
+                             "When next() handed it over, as time.monotonic_ns() counts: received_ns - "
+                             "publish_start_ns is the handoff's latency.")
+      .def("release", &PyBucket::release,
+           "Give the slot back (once no view taken from it lives); a second release() raises.")
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](PyBucket& self, py::args) { self.release(); })
       .def("__repr__", [](const PyBucket& self) {
@@ -1012,7 +1028,8 @@ PYBIND11_MODULE(tensorbucket, m) {
                              "When the producer began publishing its first bucket, as time.monotonic_ns() counts.")
       .def_property_readonly("published_ns", &PyUpdate::published_ns,
                              "When its last bucket became visible to consumers, as time.monotonic_ns() counts.")
-      .def("release", &PyUpdate::release)
+      .def("release", &PyUpdate::release,
+           "Give every slot of the update back (once no view taken from it lives); a second release() raises.")
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](PyUpdate& self, py::args) { self.release(); })
       .def("__repr__", [](const PyUpdate& self) {
@@ -1025,7 +1042,9 @@ PYBIND11_MODULE(tensorbucket, m) {
       .def("__iter__", [](py::object self) { return self; })
       .def("__next__", &PyUpdates::next);
 
-  py::class_<PySubscriber>(m, "Subscriber")
+  py::class_<PySubscriber>(m, "Subscriber",
+                           "A consumer of a channel: receives its buckets, or whole updates, verified, as "
+                           "zero-copy tensor views. A context manager: leaving it stops receiving.")
       .def(py::init<const std::string&, std::optional<double>, const py::handle&, bool, bool>(), py::arg("channel"),
            py::arg("timeout") = 10.0, py::arg("device") = py::none(), py::arg("follow") = false,
            py::arg("whole_updates") = true,

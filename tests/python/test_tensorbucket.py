@@ -837,7 +837,7 @@ def test_a_bucket_says_when_it_was_published_on_the_monotonic_clock(channel):
         publisher.publish({"w": torch.ones(4)})
         bucket = subscriber.next(timeout=5)
         after = time.monotonic_ns()
-        assert before <= bucket.publish_start_ns <= bucket.published_ns <= after
+        assert before <= bucket.publish_start_ns <= bucket.published_ns <= bucket.received_ns <= after
 
 
 def test_version_is_the_meson_project_version():
@@ -872,3 +872,11 @@ def test_a_publish_timeout_names_what_held_it_back(channel):
                                                            "nothing was published"):
                 publisher.publish({"w": torch.ones(2)}, timeout=0.05)
             held.release()
+
+
+def test_classes_and_methods_say_what_they_do():
+    for cls in (tensorbucket.Publisher, tensorbucket.Subscriber, tensorbucket.Bucket, tensorbucket.Update):
+        assert cls.__doc__, cls
+        for name in ("publish", "drain", "close", "next", "next_update", "updates", "release"):
+            if hasattr(cls, name):
+                assert getattr(cls, name).__doc__, f"{cls.__name__}.{name}"
