@@ -40,6 +40,8 @@ constexpr auto kSpin = std::chrono::microseconds(50);
 // producer's writing down.
 constexpr auto kWriteSpin = std::chrono::microseconds(200);
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(5);
+// Longest wait for a producer's probe of a slot we lease to end (settled_generation()).
+constexpr auto kProbeSettle = std::chrono::milliseconds(1);
 // No producer publishes this many buckets (2^62: 146 years at a bucket per nanosecond), so
 // a larger count in the control block is damage, and 2(b+1) cannot overflow below it.
 constexpr std::uint64_t kMaxBuckets = std::uint64_t{1} << 62;
@@ -325,8 +327,27 @@ struct detail::SubscriberState {
     if (whole_updates) position = Position::Unsynced;
   }
 
-  void release(std::uint32_t s, std::uint64_t expected_generation) {
-    if (ipc::atomic(generation(s)).load(std::memory_order_acquire) == expected_generation) {
+  // Slot `s`'s generation, as it settles for a consumer that holds a confirmed lease on it: a
+  // `latest` producer may probe a leased slot (make it odd, find our lease, make it even
+  // again) when our lease came between its two looks at the records; the lease is what it
+  // finds, so the odd value is gone within microseconds. A peer that leaves it odd is given
+  // kProbeSettle.
+  std::uint64_t settled_generation(std::uint32_t s, std::uint64_t leased_generation) {
+    auto g = ipc::atomic(generation(s)).load(std::memory_order_acquire);
+    auto give_up = Clock::now() + kProbeSettle;
+    while (g == leased_generation + 1 && Clock::now() < give_up) {
+      ipc::cpu_relax();
+      g = ipc::atomic(generation(s)).load(std::memory_order_acquire);
+    }
+    return g;
+  }
+
+  // Gives slot `s` back, counting a release of its bucket when it still holds the one leased;
+  // `confirmed`: the lease was, so a probe of the slot is waited out (settled_generation()).
+  void release(std::uint32_t s, std::uint64_t expected_generation, bool confirmed = true) {
+    auto g = confirmed ? settled_generation(s, expected_generation)
+                       : ipc::atomic(generation(s)).load(std::memory_order_acquire);
+    if (g == expected_generation) {
       ipc::atomic(control->slots[s].release_count).fetch_add(1, std::memory_order_release);
     }
     set_lease(s, false);  // a record taken from us holds no lease of ours
@@ -582,7 +603,7 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
       // Take the lease, then confirm the producer did not start rewriting meanwhile.
       if (!state.set_lease(s, true)) state.fail_record_taken();
       if (auto now_generation = ipc::atomic(generation).load(std::memory_order_seq_cst); now_generation != expected) {
-        state.release(s, expected);
+        state.release(s, expected, false);
         // A producer probing the slot (odd) backs off for our lease within microseconds: wait
         // for that, or the bucket would look overwritten below. One that claimed it is writing
         // the slot: not worth spinning for.
@@ -617,7 +638,7 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
           throw;
         }
       }();
-      if (ipc::atomic(generation).load(std::memory_order_acquire) != expected) {
+      if (state.settled_generation(s, expected) != expected) {
         fail(ErrorCode::Torn, "slot ", s, " of channel ", Quoted{state.channel},
              " was rewritten while bucket ", bucket, " was read");
       }
