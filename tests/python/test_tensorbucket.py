@@ -878,5 +878,5 @@ def test_classes_and_methods_say_what_they_do():
     for cls in (tensorbucket.Publisher, tensorbucket.Subscriber, tensorbucket.Bucket, tensorbucket.Update):
         assert cls.__doc__, cls
         for name in ("publish", "drain", "close", "next", "next_update", "updates", "release"):
-            if hasattr(cls, name):
-                assert getattr(cls, name).__doc__, f"{cls.__name__}.{name}"
+            if hasattr(cls, name):  # pybind11 writes the signature first: words must follow it
+                assert len(getattr(cls, name).__doc__.strip().splitlines()) > 1, f"{cls.__name__}.{name}"
