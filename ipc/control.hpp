@@ -195,7 +195,8 @@ inline void store_label(ProcessLabel& shared, const ProcessLabel& value) {
   atomic(shared.pid_namespace).store(value.pid_namespace, std::memory_order_relaxed);
 }
 
-// Names under /dev/shm. Channel names are [A-Za-z0-9._-]{1,64}, not starting with a dot.
+// Names under /dev/shm. Channel names are [A-Za-z0-9._-]{1,64}, not starting with a dot nor
+// ending like a slot's segment (.slot<s>.<epoch>).
 void validate_channel_name(std::string_view channel);
 std::string control_segment_name(std::string_view channel);
 std::string slot_segment_name(std::string_view channel, std::uint32_t slot, std::uint64_t epoch);

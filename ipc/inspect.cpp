@@ -2,8 +2,6 @@
 #include <cstring>
 #include <filesystem>
 #include <optional>
-#include <regex>
-#include <set>
 
 #include "control.hpp"
 #include "liveness.hpp"
@@ -129,24 +127,24 @@ ChannelInfo inspect_channel(std::string_view channel) {
 }
 
 std::vector<std::string> list_channels() {
-  // POSIX shared memory objects are the files of /dev/shm on Linux.
+  // POSIX shared memory objects are the files of /dev/shm on Linux. A name that is no channel
+  // name (a slot's segment ends in ".slot<s>.<epoch>", which no channel name may) is not a
+  // channel.
   const std::string prefix = ipc::control_segment_name("");
-  std::set<std::string> names;
+  std::vector<std::string> channels;
   std::error_code error;
   for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", error)) {
     auto name = entry.path().filename().string();
-    if (name.starts_with(prefix) && name.size() > prefix.size()) names.insert(name.substr(prefix.size()));
+    if (!name.starts_with(prefix)) continue;
+    try {
+      ipc::validate_channel_name(std::string_view(name).substr(prefix.size()));
+    } catch (const Error&) {
+      continue;
+    }
+    channels.push_back(name.substr(prefix.size()));
   }
   if (error) text::fail(ErrorCode::SystemError, "cannot list /dev/shm: ", error.message());
-  // A slot's segment is its channel's name and ".slot<s>.<epoch>": one, when that channel is
-  // there too (a channel's own name may end that way).
-  static const std::regex slot_suffix(R"((.+)\.slot[0-9]+\.[0-9]+)");
-  std::vector<std::string> channels;
-  for (const auto& name : names) {
-    std::smatch parts;
-    if (std::regex_match(name, parts, slot_suffix) && names.contains(parts[1].str())) continue;
-    channels.push_back(name);
-  }
+  std::sort(channels.begin(), channels.end());
   return channels;
 }
 

@@ -6,6 +6,23 @@
 
 namespace tensorbucket::ipc {
 
+namespace {
+
+// Whether `name` ends in ".slot<digits>.<digits>", as slot_segment_name() makes them.
+bool ends_like_a_slot(std::string_view name) {
+  auto digits_before = [&](std::size_t end) {  // where the run of digits ending at `end` starts
+    auto start = end;
+    while (start > 0 && name[start - 1] >= '0' && name[start - 1] <= '9') --start;
+    return start;
+  };
+  auto epoch = digits_before(name.size());
+  if (epoch == name.size() || epoch == 0 || name[epoch - 1] != '.') return false;
+  auto slot = digits_before(epoch - 1);
+  return slot != epoch - 1 && name.substr(0, slot).ends_with(".slot");
+}
+
+}  // namespace
+
 void validate_channel_name(std::string_view channel) {
   auto allowed = [](char c) {
     return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
@@ -16,6 +33,11 @@ void validate_channel_name(std::string_view channel) {
   if (!valid) {
     text::fail(ErrorCode::InvalidArgument, "channel name ", text::Quoted{channel},
                " is not 1-", kMaxChannelName, " characters of [A-Za-z0-9._-] (no leading dot)");
+  }
+  // "x.slot0.1" would name slot 0 of channel "x" (slot_segment_name()).
+  if (ends_like_a_slot(channel)) {
+    text::fail(ErrorCode::InvalidArgument, "channel name ", text::Quoted{channel},
+               " ends like a slot's segment (.slot<s>.<epoch>), which it could be taken for");
   }
 }
 

@@ -33,6 +33,7 @@ constexpr auto kWaitSlice = std::chrono::milliseconds(10);
 // Producers racing for one name each win or lose in one or two rounds; more rounds mean
 // someone keeps creating and removing it.
 constexpr int kNameRounds = 16;
+constexpr auto kRemoverWait = std::chrono::seconds(10);
 // How many times a `latest` producer looks over its slots for one nobody leases before it waits.
 constexpr int kLatestLooks = 4;
 
@@ -517,15 +518,13 @@ namespace {
 
 // Removes what a dead producer left under `name` (leftovers.hpp). ChannelExists when a live
 // producer holds it.
-void remove_stale_channel(std::string_view channel, const std::string& name) {
+// False while someone else is removing it (a consumer or another producer).
+bool remove_stale_channel(std::string_view channel, const std::string& name) {
   auto stale = ipc::Segment::open(name, 0, true, ipc::Locks::kKept);
-  if (!stale) return;  // gone meanwhile
+  if (!stale) return true;  // gone meanwhile
   auto holder = ipc::remove_if_dead(channel, name, *stale);
-  if (holder == ipc::Holder::kNobody) return;
-  if (holder == ipc::Holder::kRemover) {  // a consumer or a producer removing it: a moment
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    return;
-  }
+  if (holder == ipc::Holder::kNobody) return true;
+  if (holder == ipc::Holder::kRemover) return false;
   std::string owner = "a live process";
   if (stale->size() >= sizeof(ipc::ControlBlock)) {
     auto* control = reinterpret_cast<ipc::ControlBlock*>(stale->data());
@@ -539,6 +538,9 @@ void remove_stale_channel(std::string_view channel, const std::string& name) {
 // and its creator's lock, and may be taken for a dead producer's and removed meanwhile; its
 // creator then fails to lock it, or finds it no longer named, and loses, removing nothing.
 ipc::Segment take_name(std::string_view channel, const std::string& name, mode_t mode) {
+  // Unlinking a large dead channel's slots frees their memory, which takes a while: another
+  // remover's work is waited for, not counted as a round, up to kRemoverWait.
+  auto give_up = Clock::now() + kRemoverWait;
   for (int round = 0; round < kNameRounds; ++round) {
     std::optional<ipc::Segment> created;
     try {
@@ -547,7 +549,10 @@ ipc::Segment take_name(std::string_view channel, const std::string& name, mode_t
       if (e.code() != ErrorCode::ChannelExists) throw;
     }
     if (!created) {
-      remove_stale_channel(channel, name);
+      if (!remove_stale_channel(channel, name) && Clock::now() < give_up) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        --round;
+      }
       continue;
     }
     if (created->named(name)) return std::move(*created);  // created locked: see Segment::create

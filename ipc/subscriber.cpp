@@ -167,6 +167,13 @@ struct detail::SubscriberState {
          "its descriptor?); attach again");
   }
 
+  // Whether our record still carries our lease on slot `s`: then no producer can have claimed
+  // it (a generation one past the leased one is its probe, to be undone).
+  bool holds_lease(std::uint32_t s) const {
+    auto claim = ipc::atomic(record->claim).load(std::memory_order_seq_cst);
+    return ipc::claim_token(claim) == token && (ipc::claim_leases(claim) & (1u << s)) != 0;
+  }
+
   bool record_is_ours() const {
     return ipc::claim_token(ipc::atomic(record->claim).load(std::memory_order_seq_cst)) == token;
   }
@@ -342,12 +349,12 @@ struct detail::SubscriberState {
     return g;
   }
 
-  // Gives slot `s` back, counting a release of its bucket when it still holds the one leased;
-  // `confirmed`: the lease was, so a probe of the slot is waited out (settled_generation()).
-  void release(std::uint32_t s, std::uint64_t expected_generation, bool confirmed = true) {
-    auto g = confirmed ? settled_generation(s, expected_generation)
-                       : ipc::atomic(generation(s)).load(std::memory_order_acquire);
-    if (g == expected_generation) {
+  // Gives back slot `s`, leased (confirmed) for the bucket of `expected_generation`, counting
+  // a release of it: our lease bit, still set, keeps the slot from being rewritten, so an odd
+  // value now is a producer's probe that will be undone (settled_generation()), not a rewrite.
+  void release(std::uint32_t s, std::uint64_t expected_generation) {
+    auto g = ipc::atomic(generation(s)).load(std::memory_order_acquire);
+    if (g == expected_generation || g == expected_generation + 1) {
       ipc::atomic(control->slots[s].release_count).fetch_add(1, std::memory_order_release);
     }
     set_lease(s, false);  // a record taken from us holds no lease of ours
@@ -360,7 +367,12 @@ struct detail::SubscriberState {
     if (ipc::atomic(control->closed).load(std::memory_order_acquire)) return true;
     if (now - last_liveness_check < kLivenessPeriod) return false;
     last_liveness_check = now;
-    return !ipc::held_by_other(control_segment.descriptor(), ipc::kProducerLockByte);
+    return producer_gone_now();
+  }
+  // Its lock free, or held by someone removing its leftovers (leftovers.hpp).
+  bool producer_gone_now() const {
+    return !ipc::held_by_other(control_segment.descriptor(), ipc::kProducerLockByte) ||
+           ipc::held_by_other(control_segment.descriptor(), ipc::kRemoverLockByte);
   }
 
   void refuse_if_control_damaged() const {
@@ -399,7 +411,7 @@ struct detail::SubscriberState {
   ipc::SlotMapping map_slot(std::uint32_t s) {
     auto mapping = slots[s].map(control->slots[s], control->device_slots[s]);
     if (mapping) return std::move(*mapping);
-    if (producer_gone(Clock::now())) {
+    if (ipc::atomic(control->closed).load(std::memory_order_acquire) || producer_gone_now()) {
       fail(ErrorCode::ProducerGone, "producer of channel ", Quoted{channel}, " is gone");
     }
     fail(ErrorCode::SystemError, "the segment of slot ", s, " of channel ", Quoted{channel}, " is missing");
@@ -603,7 +615,9 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
       // Take the lease, then confirm the producer did not start rewriting meanwhile.
       if (!state.set_lease(s, true)) state.fail_record_taken();
       if (auto now_generation = ipc::atomic(generation).load(std::memory_order_seq_cst); now_generation != expected) {
-        state.release(s, expected, false);
+        // Not ours after all: nothing read, nothing to count.
+        state.set_lease(s, false);
+        ipc::futex_bump_and_wake(control->producer_wake);
         // A producer probing the slot (odd) backs off for our lease within microseconds: wait
         // for that, or the bucket would look overwritten below. One that claimed it is writing
         // the slot: not worth spinning for.
@@ -638,7 +652,8 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
           throw;
         }
       }();
-      if (state.settled_generation(s, expected) != expected) {
+      if (auto now_generation = state.settled_generation(s, expected);
+          now_generation != expected && !(now_generation == expected + 1 && state.holds_lease(s))) {
         fail(ErrorCode::Torn, "slot ", s, " of channel ", Quoted{state.channel},
              " was rewritten while bucket ", bucket, " was read");
       }

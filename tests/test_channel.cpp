@@ -542,6 +542,20 @@ TEST_F(Channel, RefusesBadNames) {
   }
 }
 
+// A name that ends like a slot's segment would be taken for one of another channel's: a
+// "dead leftover" removed from under a live producer.
+TEST_F(Channel, RefusesNamesThatNameAnotherChannelsSlot) {
+  auto publisher = Publisher::create(channel);
+  ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 1}, 0).builder, 1s));
+  auto slot = channel + ".slot0.1";
+  expect_error(ErrorCode::InvalidArgument, [&] { Publisher::create(slot); });
+  expect_error(ErrorCode::InvalidArgument, [&] { remove_channel(slot); });
+  EXPECT_EQ(segments_of(channel).size(), 2u);
+  auto listed = list_channels();
+  EXPECT_NE(std::find(listed.begin(), listed.end(), channel), listed.end());
+  EXPECT_EQ(std::find(listed.begin(), listed.end(), slot), listed.end());
+}
+
 TEST_F(Channel, SegmentsGetTheRequestedMode) {
   auto publisher = Publisher::create(channel, {.mode = 0640});
   struct stat status {};

@@ -58,7 +58,7 @@ int run_list(const ListOptions& options) {
     out << "[";
     for (std::size_t i = 0; i < listed.size(); ++i) {
       const auto& entry = listed[i];
-      out << (i ? "," : "") << "{\"channel\":\"" << entry.name << "\"";
+      out << (i ? "," : "") << "{\"channel\":\"" << json_escaped(entry.name) << "\"";
       if (entry.info) {
         const auto& info = *entry.info;
         out << ",\"producer_pid\":" << info.producer_pid << ",\"producer_alive\":" << (info.producer_alive ? "true" : "false")

@@ -115,9 +115,10 @@ int main(int argc, char** argv) {
   auto* remove_command = app.add_subcommand("rm", "Remove a dead producer's leftovers from /dev/shm");
   remove_command->add_option("channel", remove.channel, "Channel name")->required();
   remove_command->add_flag("--force", remove.force,
-                           "Remove a live producer's names too (for a stuck producer): it and its consumers go "
-                           "on with what they mapped, nobody can attach any more, and the name is free for a "
-                           "new producer");
+                           "Remove a live producer's names too (for a stuck producer you are about to kill): "
+                           "it and its consumers go on with what they mapped, nobody can attach any more, and "
+                           "the name is free for a new producer, with which a slot the old one grows meanwhile "
+                           "may clash");
 
   cli::DemoOptions demo;
   auto* demo_command = app.add_subcommand("demo", "A trainer process sends a model update to a server process");

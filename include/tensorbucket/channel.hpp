@@ -370,9 +370,10 @@ std::vector<std::string> list_channels();
 // Removes what a dead producer of `channel` left in shared memory, as the next producer or
 // attacher of the name would. ChannelMissing when there is nothing, ChannelExists (removing
 // nothing) when its producer lives. With `force`, a live producer's names are removed too, for
-// one that is stuck: it and its consumers keep what they mapped and go on, nobody can attach
-// any more, the name is free for a new producer, and the old one, seeing its names gone, leaves
-// in /dev/shm the slot segments it creates from then on when it closes.
+// one that is stuck, to be killed: it and its consumers keep what they mapped, nobody can
+// attach any more, and the name is free for a new producer; the old one, seeing its names gone
+// when it closes, leaves them alone, but a slot it grows before that may take or unlink a
+// name of the new producer's slots.
 void remove_channel(std::string_view channel, bool force = false);
 
 }  // namespace tensorbucket
