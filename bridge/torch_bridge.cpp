@@ -169,22 +169,18 @@ bool lined_up(const NamedTensors& targets, const Manifest& manifest) {
 // into an inference tensor outside InferenceMode it throws, which would leave the module half
 // loaded.
 void check_targets(const NamedTensors& targets) {
-  std::ostringstream empty, inference;
+  text::Listing empty, inference;
   for (const auto& [name, target] : targets) {
     if (!target.defined() || target.is_meta()) {
-      empty << (empty.tellp() == 0 ? "" : ", ") << Quoted{name};
+      empty.add(Quoted{name});
     } else if (target.is_inference() && !c10::InferenceMode::is_enabled()) {
-      inference << (inference.tellp() == 0 ? "" : ", ") << Quoted{name};
+      inference.add(Quoted{name});
     }
   }
-  if (empty.tellp() != 0) {
-    fail(ErrorCode::Unmaterialized, "cannot load into ", empty.str(),
-         ": meta or undefined tensors have no memory; materialize the module first");
-  }
-  if (inference.tellp() != 0) {
-    fail(ErrorCode::InvalidArgument, "cannot load into ", inference.str(),
-         ": inference tensors can be written only in inference mode");
-  }
+  text::fail_if_listed(ErrorCode::Unmaterialized, "cannot load into meta or undefined tensors",
+                       {{"tensors", &empty}}, "; they have no memory: materialize the module first");
+  text::fail_if_listed(ErrorCode::InvalidArgument, "cannot load into inference tensors outside inference mode",
+                       {{"tensors", &inference}}, "; load under torch.inference_mode(), or build the module outside it");
 }
 
 // The check pass chases pointers through each tensor's TensorImpl and StorageImpl, and 1000

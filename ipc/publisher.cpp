@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <optional>
 #include <random>
@@ -257,7 +258,19 @@ struct detail::PublisherState {
     auto& record = control->consumers[*blocker.record];
     waiting_for = "consumer " + describe(ipc::load_label(record.process)) + " (record " +
                   std::to_string(*blocker.record) + "), which " +
-                  (blocker.leased ? "still holds bucket " : "has not read bucket ") + std::to_string(blocker.bucket);
+                  (blocker.leased ? "still holds bucket " : "has not read bucket ") + std::to_string(blocker.bucket) +
+                  published_ago(blocker.slot);
+  }
+
+  // ", published 2.5 s ago": how long a consumer may have held the bucket in slot `s` at most.
+  // Read from memory a consumer can write: nothing when the time is not a past one.
+  std::string published_ago(std::uint32_t s) {
+    auto published = ipc::atomic(shared_slot(s).published_ns).load(std::memory_order_relaxed);
+    auto now = ipc::monotonic_ns();
+    if (published == 0 || published > now) return "";
+    char text[48];
+    std::snprintf(text, sizeof text, ", published %.1f s ago", static_cast<double>(now - published) / 1e9);
+    return text;
   }
 
   // Makes the slot for the next bucket ours (its generation odd), waiting until one is free:

@@ -29,4 +29,42 @@ std::ostream& operator<<(std::ostream& out, DType dtype) {
   return out << "dtype #" << unsigned{static_cast<std::uint8_t>(dtype)};
 }
 
+// How many items of a kind a message names; details() has them all.
+constexpr std::size_t kItemsShown = 3;
+
+void Listing::summarize(std::ostream& out) const {
+  if (!kind_.empty()) out << kind_ << ' ';
+  for (std::size_t i = 0; i < items_.size() && i < kItemsShown; ++i) out << (i ? separator_ : "") << items_[i];
+  if (items_.size() > kItemsShown) out << " and " << items_.size() - kItemsShown << " more";
+}
+
+void Listing::detail(std::ostream& out) const {
+  for (const auto& item : items_) out << kind_ << (kind_.empty() ? "" : " ") << item << '\n';
+}
+
+void fail_if_listed(ErrorCode code, std::string_view what,
+                    std::initializer_list<std::pair<std::string_view, const Listing*>> counted,
+                    std::string_view hint) {
+  std::ostringstream message, details;
+  message << what << " (";
+  bool first = true;
+  for (const auto& [count_name, listing] : counted) {
+    if (listing->empty()) continue;
+    message << (first ? "" : ", ") << listing->size() << ' ' << count_name;
+    first = false;
+  }
+  if (first) return;  // nothing listed
+  message << "): ";
+  first = true;
+  for (const auto& [count_name, listing] : counted) {
+    if (listing->empty()) continue;
+    message << (first ? "" : "; ");
+    listing->summarize(message);
+    listing->detail(details);
+    first = false;
+  }
+  message << hint;
+  throw Error(code, message.str(), details.str());
+}
+
 }  // namespace tensorbucket::text

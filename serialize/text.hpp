@@ -2,10 +2,14 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <ostream>
 #include <span>
 #include <sstream>
+#include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "tensorbucket/dtype.hpp"
 #include "tensorbucket/error.hpp"
@@ -32,5 +36,41 @@ template <class... Parts>
   (message << ... << parts);
   throw Error(code, message.str());
 }
+
+// Problems of one kind ("missing" names), for an error that may list hundreds: its message
+// shows the first few of each kind after the counts, Error::details() every one.
+class Listing {
+ public:
+  // `kind` leads the listing ("missing 'a', 'b'"); items that are sentences of their own
+  // ("'w' has dtype f32, expected f16") go without one, apart by "; ".
+  explicit Listing(std::string kind = {}, std::string separator = ", ")
+      : kind_(std::move(kind)), separator_(std::move(separator)) {}
+
+  template <class... Parts>
+  void add(const Parts&... parts) {
+    std::ostringstream item;
+    (item << ... << parts);
+    items_.push_back(item.str());
+  }
+  bool empty() const { return items_.empty(); }
+  std::size_t size() const { return items_.size(); }
+
+  // "missing 'a', 'b', 'c' and 9 more"
+  void summarize(std::ostream& out) const;
+  // One line per item: "missing 'a'\n".
+  void detail(std::ostream& out) const;
+
+ private:
+  std::string kind_;
+  std::string separator_;
+  std::vector<std::string> items_;
+};
+
+// Throws Error(code) with the message "`what` (12 missing, 1 unexpected): missing 'a', 'b',
+// 'c' and 9 more; unexpected 'x'`hint`", and details listing every item. Nothing when every
+// listing is empty. `counted` names each listing's count, in order ("missing", "unexpected").
+void fail_if_listed(ErrorCode code, std::string_view what,
+                    std::initializer_list<std::pair<std::string_view, const Listing*>> counted,
+                    std::string_view hint = {});
 
 }  // namespace tensorbucket::text

@@ -207,37 +207,29 @@ void compare_expected(const Manifest& actual, const Manifest& expected, bool who
          Quoted{expected.entries[*repeated].name}, " twice");
   }
 
-  // One clause per class of problem, each listing every name, like a strict load_state_dict.
-  std::ostringstream missing, unexpected, mismatched;
+  // Every problem, by kind, like a strict load_state_dict; the message shows the first few.
+  text::Listing missing("missing"), unexpected("unexpected"), mismatched({}, "; ");
   std::vector<bool> seen(expected.entries.size(), false);
   for (const auto& entry : actual.entries) {
     auto found = wanted.find(entry.name);
     if (!found) {
-      unexpected << (unexpected.tellp() > 0 ? ", " : "") << Quoted{entry.name};
+      unexpected.add(Quoted{entry.name});
       continue;
     }
     seen[*found] = true;
     const auto& want = expected.entries[*found];
     if (want.dtype != entry.dtype) {
-      mismatched << "; " << Quoted{entry.name} << " has dtype " << entry.dtype << ", expected "
-                 << want.dtype;
+      mismatched.add(Quoted{entry.name}, " has dtype ", entry.dtype, ", expected ", want.dtype);
     }
     if (want.shape != entry.shape) {
-      mismatched << "; " << Quoted{entry.name} << " has shape " << Dims{entry.shape}
-                 << ", expected " << Dims{want.shape};
+      mismatched.add(Quoted{entry.name}, " has shape ", Dims{entry.shape}, ", expected ", Dims{want.shape});
     }
   }
   for (std::size_t i = 0; i < expected.entries.size() && whole; ++i) {
-    if (!seen[i]) missing << (missing.tellp() > 0 ? ", " : "") << Quoted{expected.entries[i].name};
+    if (!seen[i]) missing.add(Quoted{expected.entries[i].name});
   }
-  if (missing.tellp() == 0 && unexpected.tellp() == 0 && mismatched.tellp() == 0) return;
-
-  std::ostringstream message;
-  message << "bucket does not match the expected manifest";
-  if (missing.tellp() > 0) message << "; missing " << missing.str();
-  if (unexpected.tellp() > 0) message << "; unexpected " << unexpected.str();
-  message << mismatched.str();
-  throw Error(ErrorCode::ManifestMismatch, message.str());
+  text::fail_if_listed(ErrorCode::ManifestMismatch, "bucket does not match the expected manifest",
+                       {{"missing", &missing}, {"unexpected", &unexpected}, {"mismatched", &mismatched}});
 }
 
 }  // namespace

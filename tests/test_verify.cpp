@@ -338,6 +338,31 @@ TEST(Verify, ReportsEveryExpectedManifestDifferenceInOneError) {
   }
 }
 
+// A model's worth of differences: the message leads with the counts and names the first few
+// of each kind; details() lists every one, a line each.
+TEST(Verify, SummarizesALongExpectedManifestDifferenceAndDetailsEveryOne) {
+  Manifest actual, expected;
+  for (int i = 0; i < 40; ++i) {
+    expected.entries.push_back({"layer" + std::to_string(i), DType::F32, {4}, 0, 16, ""});
+    actual.entries.push_back({"module.layer" + std::to_string(i), DType::F32, {4}, 0, 16, ""});
+  }
+  try {
+    check_expected(actual, expected);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    std::string message = e.what();
+    EXPECT_EQ(message.rfind("bucket does not match the expected manifest (40 missing, 40 unexpected): "
+                            "missing 'layer0', 'layer1', 'layer2' and 37 more; unexpected 'module.layer0'",
+                            0),
+              0u)
+        << message;
+    EXPECT_LT(message.size(), 200u) << message;
+    EXPECT_EQ(std::count(e.details().begin(), e.details().end(), '\n'), 80);
+    EXPECT_NE(e.details().find("missing 'layer39'\n"), std::string::npos) << e.details();
+    EXPECT_NE(e.details().find("unexpected 'module.layer39'\n"), std::string::npos) << e.details();
+  }
+}
+
 TEST(Verify, RefusesExpectedManifestThatRepeatsAName) {
   Fixture f;
   Manifest expected = f.manifest;

@@ -1,7 +1,9 @@
 // Errors: one enum of failure classes, one exception type that carries it.
 //
 // Every rejection in tensorbucket throws `tensorbucket::Error`; its `code()` says which
-// rule failed and its message names the entry and the offending values. Expected outcomes
+// rule failed and its message names the entry and the offending values. A rejection that
+// lists many names (a model's every missing parameter) keeps its message short, a summary
+// that leads with the counts, and carries the whole list in `details()`. Expected outcomes
 // of waiting (a timeout, no data yet) are return values, never errors.
 //
 // Thread safety: immutable value types; safe to share.
@@ -11,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace tensorbucket {
 
@@ -49,13 +52,16 @@ std::string_view to_string(ErrorCode code) noexcept;
 
 class Error : public std::runtime_error {
  public:
-  Error(ErrorCode code, const std::string& message)
-      : std::runtime_error(message), code_(code) {}
+  Error(ErrorCode code, const std::string& message, std::string details = {})
+      : std::runtime_error(message), code_(code), details_(std::move(details)) {}
 
   ErrorCode code() const noexcept { return code_; }
+  // Every problem, one per line, where the message names only the first few; else empty.
+  const std::string& details() const noexcept { return details_; }
 
  private:
   ErrorCode code_;
+  std::string details_;
 };
 
 }  // namespace tensorbucket

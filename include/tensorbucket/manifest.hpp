@@ -145,8 +145,9 @@ Manifest decode_manifest(std::span<const std::byte> bytes);
 // IncompleteGroup, ManifestCorrupt (bucket index, limits).
 void verify_manifest(const Manifest& manifest, std::uint64_t payload_bytes);
 
-// Rule 5: throws one Error(ManifestMismatch) that lists every name of `expected` missing from
-// `actual`, every unexpected name, and every shape and dtype mismatch. Offsets are not compared.
+// Rule 5: throws one Error(ManifestMismatch) whose details() list every name of `expected`
+// missing from `actual`, every unexpected name, and every shape and dtype mismatch; its message
+// gives their counts and the first few of each. Offsets are not compared.
 // InvalidArgument when `expected` lists a name twice.
 void check_expected(const Manifest& actual, const Manifest& expected);
 // The same for one bucket of an update split into several: every entry of `actual` must be
