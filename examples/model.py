@@ -5,7 +5,7 @@ import torch
 
 
 class TinyNet(torch.nn.Module):
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(64, 16)
         self.fc = torch.nn.Linear(16, 16)
@@ -13,7 +13,7 @@ class TinyNet(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(16)
         self.head = torch.nn.Linear(16, 8, bias=False)
 
-    def forward(self, tokens):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         hidden = torch.relu(self.fc(self.embed(tokens)))
         for layer in self.layers:
             hidden = hidden + torch.relu(layer(hidden))
@@ -23,13 +23,13 @@ class TinyNet(torch.nn.Module):
 class Training:
     """A model and its optimizer; step() trains on the batch of the next step."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         torch.manual_seed(1234)
         self.model = TinyNet()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.steps = 0
 
-    def step(self):
+    def step(self) -> None:
         generator = torch.Generator().manual_seed(self.steps)
         tokens = torch.randint(0, 64, (32,), generator=generator)
         targets = torch.randint(0, 8, (32,), generator=generator)
@@ -39,12 +39,12 @@ class Training:
         self.optimizer.step()
         self.steps += 1
 
-    def advance_to(self, steps):
+    def advance_to(self, steps: int) -> None:
         """Trains until `steps` steps are done (a restart resumes this way, as from a checkpoint)."""
         while self.steps < steps:
             self.step()
 
 
-def split(names, buckets):
+def split(names: list[str], buckets: int) -> list[list[str]]:
     """`names` as `buckets` lists, in order: which tensors travel in which bucket of an update."""
     return [names[i * len(names) // buckets:(i + 1) * len(names) // buckets] for i in range(buckets)]

@@ -12,7 +12,7 @@ import torch
 
 def test_the_module_under_test_is_the_installed_one():
     installed = Path(sysconfig.get_paths()["platlib"]).resolve()
-    assert Path(tensorbucket.__file__).resolve().parent == installed
+    assert Path(tensorbucket.__file__).resolve().parent == installed / "tensorbucket"
 
 
 # The consumer imports tensorbucket before torch: the installed module finds torch's libraries
@@ -39,3 +39,10 @@ def test_a_tensor_crosses_two_processes(tmp_path):
     assert out.split() == ["5", "torch.float32", "(3,", "4)", "66.0"]
     assert publisher.drain(timeout=30)
     publisher.close()
+
+
+def test_its_types_install_with_it():
+    """A type checker finds them through py.typed (PEP 561)."""
+    package = Path(tensorbucket.__file__).parent
+    assert (package / "py.typed").is_file() and (package / "_C.pyi").is_file()
+    assert Path(tensorbucket._C.__file__).parent == package

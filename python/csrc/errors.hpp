@@ -1,0 +1,86 @@
+// tensorbucket's exceptions in Python: one class per family of ErrorCode, all under
+// tensorbucket.Error, each instance with the code's name (`code`) and the full list of
+// problems where the message names only the first few (`details`).
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <exception>
+#include <string>
+#include <string_view>
+
+#include "tensorbucket/error.hpp"
+#include "waits.hpp"
+
+namespace tensorbucket::python {
+
+namespace py = pybind11;
+
+// Sets an instance of `type` as the pending Python error. The message names the code first
+// only where the class does not already say it (ManifestError: "Overlap: ...", not
+// "ProducerGone: ProducerGone: ...").
+inline void raise_as(const py::exception<Error>& type, std::string_view code, const std::string& message,
+                     const std::string& details = {}) {
+  auto name = type.attr("__name__").cast<std::string>();
+  auto text = name == code ? message : std::string(code) + ": " + message;
+  auto instance = py::reinterpret_borrow<py::object>(type)(text);
+  instance.attr("code") = py::str(code.data(), code.size());
+  instance.attr("details") = details;
+  PyErr_SetObject(type.ptr(), instance.ptr());
+}
+
+// Adds the classes to `m`, and translates every Error (and WaitTimeout) into one of them.
+inline void register_errors(py::module_& m) {
+  // Those a Python user would catch as a builtin are that builtin too.
+  static py::exception<Error> error(m, "Error");
+  static py::exception<Error> manifest_error(m, "ManifestError", error.ptr());
+  static py::exception<Error> checksum_mismatch(m, "ChecksumMismatch", error.ptr());
+  static py::exception<Error> timeout(m, "Timeout", py::make_tuple(error, py::handle(PyExc_TimeoutError)));
+  static py::exception<Error> producer_gone(m, "ProducerGone", error.ptr());
+  static py::exception<Error> channel_error(m, "ChannelError", error.ptr());
+  static py::exception<Error> device_error(m, "DeviceError", error.ptr());
+  static py::exception<Error> invalid_argument(m, "InvalidArgument", py::make_tuple(error, py::handle(PyExc_ValueError)));
+  py::register_exception_translator([](std::exception_ptr raised) {
+    try {
+      if (raised) std::rethrow_exception(raised);
+    } catch (const WaitTimeout& e) {
+      raise_as(timeout, "Timeout", e.message);
+    } catch (const Error& e) {
+      auto code = to_string(e.code());
+      auto raise = [&](const py::exception<Error>& type) { raise_as(type, code, e.what(), e.details()); };
+      switch (e.code()) {
+        case ErrorCode::ChecksumMismatch: raise(checksum_mismatch); return;
+        case ErrorCode::ProducerGone: raise(producer_gone); return;
+        case ErrorCode::ChannelExists:
+        case ErrorCode::ChannelMissing:
+        case ErrorCode::PermissionDenied:
+        case ErrorCode::ChannelFull:
+        case ErrorCode::LocationMismatch: raise(channel_error); return;
+        case ErrorCode::CudaUnavailable:
+        case ErrorCode::DeviceNotVisible:
+        case ErrorCode::CudaFailed: raise(device_error); return;
+        case ErrorCode::InvalidArgument: raise(invalid_argument); return;
+        case ErrorCode::SystemError: raise(error); return;
+        // Every way a bucket fails verification. Listed, not a default: a new code must be
+        // placed here on purpose (the compiler names a missing one).
+        case ErrorCode::MissingManifest:
+        case ErrorCode::MissingPayload:
+        case ErrorCode::HeaderCorrupt:
+        case ErrorCode::ManifestCorrupt:
+        case ErrorCode::UnsupportedDtype:
+        case ErrorCode::BadName:
+        case ErrorCode::BadShape:
+        case ErrorCode::OutOfBounds:
+        case ErrorCode::Overlap:
+        case ErrorCode::Misaligned:
+        case ErrorCode::DuplicateName:
+        case ErrorCode::IncompleteGroup:
+        case ErrorCode::Unmaterialized:
+        case ErrorCode::ManifestMismatch:
+        case ErrorCode::Torn: raise(manifest_error); return;
+      }
+    }
+  });
+}
+
+}  // namespace tensorbucket::python

@@ -1,0 +1,154 @@
+// The Python Publisher: a C++ Publisher that keeps the layout of the last publish, so that a
+// trainer's every step goes straight to the copy.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "convert.hpp"
+#include "tensorbucket/tensorbucket.hpp"
+#include "tensorbucket/torch.hpp"
+#include "waits.hpp"
+
+namespace tensorbucket::python {
+
+namespace py = pybind11;
+
+class PyPublisher {
+ public:
+  PyPublisher(const std::string& channel, std::uint32_t slots, std::uint32_t min_consumers,
+              std::uint32_t max_consumers, bool checksum, std::uint32_t mode, const py::handle& device,
+              const std::string& policy, std::uint32_t update_buckets)
+      : publisher_(Publisher::create(channel, {.slots = slots,
+                                               .max_consumers = max_consumers,
+                                               .min_consumers = min_consumers,
+                                               .mode = mode,
+                                               .payload_checksum = checksum,
+                                               .location = location_of(device),
+                                               .policy = parse_overflow_policy(policy),
+                                               .update_buckets = update_buckets})) {
+    open().insert(this);
+  }
+  ~PyPublisher() { open().erase(this); }
+
+  // Every Publisher not yet destroyed, with the GIL. Python does not destroy at exit what a
+  // daemon thread still reaches, which left such a channel's segments in /dev/shm (memory)
+  // until the next producer of its name: an atexit hook closes them all.
+  static std::unordered_set<PyPublisher*>& open() {
+    static std::unordered_set<PyPublisher*> all;
+    return all;
+  }
+
+  // Every call writes the tensors straight into the slot. A trainer sends the same names,
+  // dtypes and shapes every step: a call with the names of the layout kept from the last one
+  // goes straight to the copy, whose check of every tensor against the layout refuses (with
+  // ManifestMismatch, before anything is reserved) when one changed; any other call checks
+  // everything and keeps its layout instead.
+  void publish(const py::handle& tensors, std::uint64_t version, std::uint32_t bucket_index,
+               std::uint32_t bucket_count, const py::handle& groups,
+               std::optional<double> timeout) {
+    auto deadline = deadline_in(timeout);
+    auto turn = take_turn(turn_, deadline);
+    if (!turn) throw WaitTimeout{"another thread's call on channel '" + publisher_.channel() + "' took the whole timeout; nothing was published"};
+    auto group_list = to_groups(groups);
+    if (kept_ && kept_->groups == group_list && stage_kept(tensors)) {
+      try {
+        return publish_staged(version, bucket_index, bucket_count, deadline);
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::ManifestMismatch) throw;  // a dtype or shape changed
+      }
+    }
+    staged_.clear();
+    Kept fresh;
+    auto named = to_named(tensors, &fresh.keys);
+    fresh.builder =
+        torch_bridge::layout_of(named, version, bucket_index, bucket_count, group_list, publisher_.location());
+    fresh.groups = std::move(group_list);
+    for (auto& [name, tensor] : named) staged_.push_back(std::move(tensor));
+    kept_ = std::move(fresh);
+    publish_staged(version, bucket_index, bucket_count, deadline);
+  }
+
+  bool drain(std::optional<double> timeout) {
+    auto deadline = deadline_in(timeout);
+    auto turn = take_turn(turn_, deadline);
+    return turn && wait_until(deadline, [&](auto slice) {
+             stop_if_closing("");
+             return publisher_.drain(slice);
+           });
+  }
+  void close() {
+    auto turn = take_last_turn(turn_);
+    publisher_.close();
+  }
+  // Without a turn: a parked thread may hold it, but it is done with the C++ handle.
+  void close_at_exit() { publisher_.close(); }
+  // Read without a turn, so that a thread that reports progress does not wait for a publish.
+  std::uint64_t published() const { return published_; }
+  std::uint64_t incarnation() const { return publisher_.incarnation(); }
+  std::string policy() const { return std::string(to_string(publisher_.policy())); }
+
+ private:
+  struct Kept {
+    std::vector<py::object> keys;  // the caller's name objects, for an identity compare
+    std::vector<ManifestGroup> groups;
+    BucketBuilder builder;  // every entry declared
+  };
+
+  // Between the wait slices of publish() and drain(): see Turns::closing.
+  void stop_if_closing(const char* outcome) const {
+    if (turn_.closing) {
+      throw Error(ErrorCode::InvalidArgument, "channel '" + publisher_.channel() + "' is closed" + outcome);
+    }
+  }
+
+  // Fills staged_ when `tensors` hold tensors under the kept layout's names, in its order.
+  bool stage_kept(const py::handle& tensors) {
+    staged_.clear();
+    const auto& entries = kept_->builder.manifest().entries;
+    std::size_t i = 0;
+    bool named_alike = true;
+    for_each_item(tensors, [&](py::handle key, py::handle value) {
+      named_alike = named_alike && i < entries.size() &&
+                    names(key, kept_->keys[i], entries[i].name) && is_tensor(value);
+      if (named_alike) staged_.push_back(THPVariable_Unpack(value.ptr()));
+      ++i;
+    });
+    return named_alike && i == entries.size();
+  }
+
+  // Publishes staged_ through the kept layout, without the GIL; staged_ is emptied either way.
+  void publish_staged(std::uint64_t version, std::uint32_t bucket_index,
+                      std::uint32_t bucket_count, Deadline deadline) {
+    struct Unstage {
+      std::vector<at::Tensor>& staged;
+      ~Unstage() { staged.clear(); }  // with the GIL: a tensor may be the last owner of its object
+    } unstage{staged_};
+    kept_->builder.version(version).bucket(bucket_index, bucket_count);
+    auto stream = current_stream(publisher_.location());
+    bool published = wait_until(deadline, [&](auto slice) {
+      stop_if_closing("; nothing was published");
+      return torch_bridge::publish_in_place(publisher_, kept_->builder, staged_, slice, stream);
+    });
+    if (!published) {
+      auto waited_for = publisher_.waiting_for();
+      throw WaitTimeout{"no slot of channel '" + publisher_.channel() + "' came free in time, waiting for " +
+                        (waited_for.empty() ? std::string("a consumer") : waited_for) + "; nothing was published"};
+    }
+    published_ = publisher_.published();
+  }
+
+  Turns turn_;
+  std::atomic<std::uint64_t> published_ = 0;  // publisher_.published(), after each publish
+  Publisher publisher_;
+  std::optional<Kept> kept_;
+  std::vector<at::Tensor> staged_;  // this call's tensors in layout order; reused for capacity
+};
+
+}  // namespace tensorbucket::python

@@ -1,0 +1,209 @@
+// What a Subscriber hands out: a Bucket, and an Update of several, read as mappings
+// {name: tensor} of zero-copy views that keep their slots leased while they live.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "convert.hpp"
+#include "tensorbucket/tensorbucket.hpp"
+#include "tensorbucket/torch.hpp"
+#include "waits.hpp"
+
+namespace tensorbucket::python {
+
+namespace py = pybind11;
+
+// A received bucket, read as a mapping {name: tensor} whose zero-copy views are made on first
+// access: most of a small handoff's cost in Python was making 1000 tensor objects nobody had
+// asked for yet. Each view keeps the lease, so it outlives release() and the Bucket.
+class PyBucket {
+ public:
+  explicit PyBucket(ReceivedBucket bucket) : PyBucket(std::make_shared<const ReceivedBucket>(std::move(bucket))) {}
+  // One bucket of an update, which this keeps whole while it lives.
+  explicit PyBucket(std::shared_ptr<const ReceivedBucket> held)
+      : PyBucket(*held, held) {}
+
+ private:
+  PyBucket(const ReceivedBucket& bucket, std::shared_ptr<const ReceivedBucket> held)
+      : version_(bucket.view().version()),
+        bucket_index_(bucket.view().bucket_index()),
+        bucket_count_(bucket.view().bucket_count()),
+        sequence_(bucket.sequence()),
+        incarnation_(bucket.incarnation()),
+        publish_start_ns_(bucket.publish_start_ns()),
+        published_ns_(bucket.published_ns()),
+        received_ns_(monotonic_ns()),
+        size_(bucket.view().size()),
+        bucket_(std::move(held)),
+        views_(size_) {}
+
+ public:
+
+  std::size_t size() const { return size_; }
+  bool contains(const py::handle& name) const {
+    return PyUnicode_Check(name.ptr()) && live()->view().position(name.cast<std::string_view>());
+  }
+  py::object get_item(std::string_view name) {
+    auto position = live()->view().position(name);
+    if (!position) throw py::key_error(std::string(name));
+    return view(*position);
+  }
+  py::list keys() const {
+    py::list out;
+    for (const auto& entry : live()->view().manifest().entries) out.append(py::str(entry.name));
+    return out;
+  }
+  // Every view at once, as a dict.
+  py::dict tensors() {
+    py::dict out;
+    const auto& entries = live()->view().manifest().entries;
+    for (std::size_t i = 0; i < size_; ++i) out[py::str(entries[i].name)] = view(i);
+    return out;
+  }
+  // Kept by value, so they stay readable after release().
+  std::uint64_t version() const { return version_; }
+  std::uint32_t bucket_index() const { return bucket_index_; }
+  std::uint32_t bucket_count() const { return bucket_count_; }
+  std::uint64_t sequence() const { return sequence_; }
+  std::uint64_t incarnation() const { return incarnation_; }
+  std::uint64_t publish_start_ns() const { return publish_start_ns_; }
+  std::uint64_t published_ns() const { return published_ns_; }
+  std::uint64_t received_ns() const { return received_ns_; }
+  // The received bucket, for readers of its bytes; InvalidArgument once released.
+  std::shared_ptr<const ReceivedBucket> received() const { return live(); }
+  // Drops this handle's hold and its views, leaving the release to the update that holds it.
+  void forget() {
+    views_.clear();
+    bucket_.reset();
+  }
+  // Drops this handle's hold, and its views; tensors already taken keep the lease until they die.
+  // A CUDA bucket this handle alone holds is released after the work queued so far on torch's
+  // current stream; one whose views live on is released, when the last dies, after the work
+  // queued on the stream it was received on.
+  void release() {
+    views_.clear();
+    if (bucket_ && bucket_.use_count() == 1 && !bucket_->view().location().on_host()) {
+      auto stream = current_stream(bucket_->view().location());
+      const_cast<ReceivedBucket&>(*bucket_).release(stream);  // ours alone: nothing else reads it
+    }
+    bucket_.reset();
+  }
+
+ private:
+  const std::shared_ptr<const ReceivedBucket>& live() const {
+    if (!bucket_) throw Error(ErrorCode::InvalidArgument, "bucket was released");
+    return bucket_;
+  }
+  py::object view(std::size_t i) {
+    live();
+    if (!views_[i]) views_[i] = py::cast(torch_bridge::tensor(bucket_, i));
+    return views_[i];
+  }
+
+  std::uint64_t version_;
+  std::uint32_t bucket_index_;
+  std::uint32_t bucket_count_;
+  std::uint64_t sequence_;
+  std::uint64_t incarnation_;
+  std::uint64_t publish_start_ns_;
+  std::uint64_t published_ns_;
+  std::uint64_t received_ns_;  // when next() handed it over
+  std::size_t size_;
+  std::shared_ptr<const ReceivedBucket> bucket_;
+  std::vector<py::object> views_;  // by entry position; empty until asked for
+};
+
+// A whole update: its buckets, in order, and a read-only mapping {name: tensor} over all of
+// them. Its slots stay leased while it, one of its Buckets or a view lives.
+class PyUpdate {
+ public:
+  explicit PyUpdate(ReceivedUpdate update)
+      : update_(std::make_shared<const ReceivedUpdate>(std::move(update))),
+        version_(update_->version()),
+        incarnation_(update_->incarnation()),
+        sequence_(update_->first_sequence()),
+        publish_start_ns_(update_->buckets().front().publish_start_ns()),
+        published_ns_(update_->buckets().back().published_ns()),
+        received_ns_(monotonic_ns()) {
+    for (const auto& bucket : update_->buckets()) {
+      buckets_.push_back(py::cast(PyBucket(std::shared_ptr<const ReceivedBucket>(update_, &bucket))));
+    }
+  }
+
+  std::uint64_t version() const { return version_; }
+  std::uint64_t incarnation() const { return incarnation_; }
+  std::uint64_t sequence() const { return sequence_; }
+  std::uint64_t publish_start_ns() const { return publish_start_ns_; }
+  std::uint64_t published_ns() const { return published_ns_; }
+  std::uint64_t received_ns() const { return received_ns_; }
+  py::tuple buckets() const { return py::tuple(py::cast(buckets_)); }
+  std::size_t bucket_count() const { return buckets_.size(); }
+
+  // The received update, for load_into(); InvalidArgument once released.
+  const ReceivedUpdate& received() const {
+    if (!update_) throw Error(ErrorCode::InvalidArgument, "update was released");
+    return *update_;
+  }
+
+  std::size_t size() const {
+    std::size_t total = 0;
+    for (const auto& bucket : buckets_) total += bucket.cast<const PyBucket&>().size();
+    return total;
+  }
+  bool contains(const py::handle& name) const { return bucket_with(name) != nullptr; }
+  py::object get_item(const py::handle& name) const {
+    auto* bucket = bucket_with(name);
+    if (bucket == nullptr) throw py::key_error(py::str(name));
+    return bucket->get_item(name.cast<std::string_view>());
+  }
+  py::list keys() const {
+    py::list out;
+    for (const auto& bucket : buckets_) {
+      for (auto key : bucket.cast<PyBucket&>().keys()) out.append(key);
+    }
+    return out;
+  }
+  py::dict tensors() const {
+    py::dict out;
+    for (const auto& bucket : buckets_) out.attr("update")(bucket.cast<PyBucket&>().tensors());
+    return out;
+  }
+
+  // Drops this handle's hold on every bucket; views already taken keep the slots leased. A
+  // CUDA update this handle alone holds is released after the work queued so far on torch's
+  // current stream.
+  void release() {
+    received();  // a second release() is an error, as for a Bucket
+    for (const auto& bucket : buckets_) bucket.cast<PyBucket&>().forget();
+    if (update_.use_count() == 1 && !update_->buckets().front().view().location().on_host()) {
+      auto stream = current_stream(update_->buckets().front().view().location());
+      const_cast<ReceivedUpdate&>(*update_).release(stream);  // ours alone: nothing else reads it
+    }
+    update_.reset();
+  }
+
+ private:
+  PyBucket* bucket_with(const py::handle& name) const {
+    for (const auto& bucket : buckets_) {
+      auto& held = bucket.cast<PyBucket&>();
+      if (held.contains(name)) return &held;
+    }
+    return nullptr;
+  }
+
+  std::shared_ptr<const ReceivedUpdate> update_;
+  std::uint64_t version_;
+  std::uint64_t incarnation_;
+  std::uint64_t sequence_;
+  std::uint64_t publish_start_ns_;
+  std::uint64_t published_ns_;
+  std::uint64_t received_ns_;  // when next_update() handed it over
+  std::vector<py::object> buckets_;  // PyBucket
+};
+
+}  // namespace tensorbucket::python

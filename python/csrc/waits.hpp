@@ -1,0 +1,193 @@
+// Waiting without the GIL, in turns, interruptibly: what every call that may wait (publish,
+// drain, next) goes through, and what keeps the interpreter's exit and fork() safe.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "tensorbucket/error.hpp"
+
+namespace tensorbucket::python {
+
+namespace py = pybind11;
+
+// Raised by a wait that ended at its timeout (a publish() that found no free slot);
+// becomes tensorbucket.Timeout with `message`.
+struct WaitTimeout {
+  std::string message;
+};
+
+using Clock = std::chrono::steady_clock;
+using Deadline = std::optional<Clock::time_point>;  // none: no limit
+
+// The longest a wait runs without the GIL: between slices Python runs its signal handlers.
+constexpr auto kSignalCheck = std::chrono::milliseconds(50);
+
+// CLOCK_MONOTONIC in nanoseconds, as time.monotonic_ns() and the channel's timestamps count.
+inline std::uint64_t monotonic_ns() {
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+// How Python writes a float: 0.5, -1.0, nan.
+inline std::string as_text(double seconds) { return py::str(py::float_(seconds)); }
+
+// When a wait of `seconds` from now ends: never for None, inf, or more than a clock can hold.
+// A negative or NaN timeout would end every wait at once: an error instead.
+inline Deadline deadline_in(std::optional<double> seconds) {
+  if (!seconds || *seconds > 1e9) return std::nullopt;  // inf included; 1e9 s is ~32 years
+  if (!(*seconds >= 0)) {
+    throw Error(ErrorCode::InvalidArgument,
+                "timeout must be seconds >= 0, or None for no limit, not " + as_text(*seconds));
+  }
+  auto wait = std::chrono::duration<double>(*seconds);
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(wait);
+}
+
+// Threads outside the GIL in this module, and the interpreter's exit. From the moment Python
+// starts shutting down, a thread that takes the GIL back ends with pthread_exit, which from
+// inside pybind11's noexcept gil_scoped_release destructor aborts the whole process: a
+// server's daemon thread waiting in next() did that at every exit (exit 134). So an atexit
+// hook, which runs while the interpreter is still whole, has every such thread park once its
+// current slice of work ends (<= kSignalCheck of waiting, or a copy): it sleeps without the
+// GIL until the process is gone. The hook waits until all of them are parked or back.
+class OutsideGil {
+ public:
+  // Runs work() without the GIL; at exit, parks instead of returning. Called with the GIL.
+  template <class Work>
+  static auto run(Work&& work) {
+    Counted counted;  // left only once the GIL is back (destroyed last)
+    py::gil_scoped_release unlocked;
+    struct ParkAtExit {
+      ~ParkAtExit() {  // runs before `unlocked` takes the GIL back
+        if (!exiting) return;
+        ++parked;
+        for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+      }
+    } park;
+    return work();
+  }
+
+  // The atexit hook's part, with the GIL: from now on threads park, and this returns once
+  // every thread outside the GIL parked or came back. Later calls raise at once.
+  static void park_all() {
+    exiting = true;  // with the GIL: no call starts meanwhile
+    py::gil_scoped_release unlocked;  // those waiting to take the GIL back take it meanwhile
+    while (outside != parked) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+
+  // In a forked child, whose only thread is the one that forked (holding the GIL): the
+  // parent's other threads were counted but are not there to park.
+  static void forget_other_threads() {
+    outside = 0;
+    parked = 0;
+  }
+
+ private:
+  static inline std::atomic<bool> exiting = false;
+  static inline std::atomic<int> outside = 0;
+  static inline std::atomic<int> parked = 0;
+
+  struct Counted {
+    Counted() {
+      if (exiting) throw Error(ErrorCode::InvalidArgument, "the interpreter is exiting");
+      ++outside;
+    }
+    ~Counted() { --outside; }
+  };
+};
+
+// Calls attempt(slice) without the GIL, in slices of at most kSignalCheck, until it returns
+// something true or `deadline` passes; returns its last result. Each attempt either finishes
+// or leaves nothing done, so Ctrl+C between two of them interrupts a long wait cleanly.
+template <class Attempt>
+auto wait_until(Deadline deadline, Attempt&& attempt) {
+  for (;;) {
+    auto slice = kSignalCheck;
+    if (deadline) {
+      auto left = std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now());
+      slice = std::clamp(left, std::chrono::milliseconds(0), kSignalCheck);
+    }
+    auto result = OutsideGil::run([&] { return attempt(slice); });
+    if (result || (deadline && Clock::now() >= *deadline)) return result;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  }
+}
+
+// Forks of this process so far, as its child counts them: bumped in every child
+// (pthread_atfork, registered at import).
+inline std::atomic<std::uint64_t> forks_seen = 0;
+
+inline void after_fork_in_child() {
+  ++forks_seen;
+  OutsideGil::forget_other_threads();
+}
+
+// A C++ Publisher or Subscriber serves one thread at a time (channel.hpp), and its wrapper gives
+// up the GIL while it waits and copies, which lets another thread in: each call takes a turn
+// first. A child forked while a thread of the parent had the turn inherits it taken, by a
+// thread the child does not have: there calls go straight on, to the C++ handle, which refuses
+// them (and, closing, touches nothing shared). A flag under a mutex, waited for on a condition
+// variable, rather than a std::timed_mutex: that one waits in pthread_mutex_clocklock, which
+// ThreadSanitizer (gcc 12's) does not intercept, so a TSan run saw neither the turns nor what
+// they order, and reported an unlock of a mutex it had never seen locked.
+struct Turns {
+  std::mutex mutex;
+  std::condition_variable given_back;
+  bool taken = false;  // guarded by mutex
+  std::uint64_t forks = forks_seen;  // when the handle was made
+  // Set by close() before it takes its turn: a call waiting in another thread sees it between
+  // two wait slices and ends, where close() would otherwise wait behind it (for ever with None).
+  std::atomic<bool> closing = false;
+};
+
+// A turn held, given back when destroyed; empty in a forked child (see Turns).
+class Turn {
+ public:
+  Turn() = default;
+  explicit Turn(Turns& turns) : turns_(&turns) {}
+  Turn(Turn&& other) noexcept : turns_(std::exchange(other.turns_, nullptr)) {}
+  Turn& operator=(Turn&&) = delete;
+  ~Turn() {
+    if (turns_ == nullptr) return;
+    {
+      std::lock_guard lock(turns_->mutex);
+      turns_->taken = false;
+    }
+    turns_->given_back.notify_one();
+  }
+
+ private:
+  Turns* turns_ = nullptr;
+};
+
+// Waits as wait_until does; none, with nothing done, when `deadline` passed first.
+inline std::optional<Turn> take_turn(Turns& turns, Deadline deadline = std::nullopt) {
+  if (turns.forks != forks_seen) return Turn();  // in a forked child: see Turns
+  auto take = [&](std::chrono::milliseconds slice) {
+    std::unique_lock lock(turns.mutex);
+    if (!turns.given_back.wait_for(lock, slice, [&] { return !turns.taken; })) return false;
+    turns.taken = true;
+    return true;
+  };
+  if (take(std::chrono::milliseconds(0)) || wait_until(deadline, take)) return std::optional<Turn>(std::in_place, turns);
+  return std::nullopt;
+}
+
+// close()'s turn: announced first (see Turns::closing), then taken.
+inline Turn take_last_turn(Turns& turns) {
+  turns.closing = true;
+  return std::move(*take_turn(turns));
+}
+
+}  // namespace tensorbucket::python

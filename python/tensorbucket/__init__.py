@@ -1,0 +1,533 @@
+"""Move named torch tensors between processes as verified zero-copy buckets.
+
+A trainer publishes its weights with a Publisher; a server receives them with a Subscriber,
+as a Bucket (or a whole Update of several) of read-only tensor views into shared memory, and
+loads them into its model with load_into().
+
+Every timeout is in seconds; None waits without limit. Ctrl+C interrupts any wait, and an
+interrupted publish() has published nothing. Threads sharing a Publisher or a Subscriber take
+turns. Every error is a tensorbucket.Error; its `code` names the rule that failed.
+"""
+import numbers
+from collections.abc import Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Literal, Optional, Tuple, Union
+
+import torch
+
+from . import _C
+from ._C import (
+    ChannelError,
+    ChecksumMismatch,
+    DeviceError,
+    Error,
+    InvalidArgument,
+    ManifestError,
+    ProducerGone,
+    Timeout,
+)
+
+__version__: str = _C.__version__
+
+# Shown where they are caught from: tensorbucket.Timeout, not tensorbucket._C.Timeout.
+for _kind in (ChannelError, ChecksumMismatch, DeviceError, Error, InvalidArgument, ManifestError, ProducerGone,
+              Timeout):
+    _kind.__module__ = __name__
+
+__all__ = [
+    "Bucket",
+    "ChannelError",
+    "ChecksumMismatch",
+    "DeviceError",
+    "Error",
+    "InvalidArgument",
+    "ManifestError",
+    "ProducerGone",
+    "Publisher",
+    "Subscriber",
+    "Timeout",
+    "Update",
+    "load_into",
+]
+
+#: What publish() takes: a mapping {name: tensor} (a state_dict, a Bucket) or (name, tensor)
+#: pairs, published in their order.
+Tensors = Union[Mapping[str, torch.Tensor], Sequence[Tuple[str, torch.Tensor]]]
+#: Where a channel's payloads live: None or "cpu" (host shared memory), "cuda:N" or a
+#: torch.device (that GPU).
+Device = Union[str, torch.device, None]
+#: How a Publisher treats a slow consumer: "block" waits for it, "latest" never does.
+Policy = Literal["block", "latest"]
+
+_U32 = 2**32 - 1
+_U64 = 2**64 - 1
+
+
+class _FileMode(int):
+    """A permission mode that shows as one: 0o600, not 384."""
+
+    def __repr__(self) -> str:
+        return oct(self)
+
+
+def _error(kind: type[Error], message: str) -> Error:
+    """An instance of one of tensorbucket's errors, as the bindings make them."""
+    error = kind(message)
+    error.code = kind.__name__
+    error.details = ""
+    return error
+
+
+def _integer(name: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if int(value) < low:
+        raise _error(InvalidArgument, f"{name} must be >= {low}, not {int(value)}")
+    if int(value) > high:
+        raise _error(InvalidArgument, f"{name} must be <= {high}, not {int(value)}")
+    return int(value)
+
+
+def _seconds(name: str, value: object) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be seconds (an int or a float) or None, not {type(value).__name__}")
+    return float(value)  # negative or NaN: InvalidArgument from the bindings
+
+
+def _text(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, not {type(value).__name__}")
+    return value
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, not {type(value).__name__}")
+    return value
+
+
+class Publisher:
+    """The producer of a channel: publishes named tensors as verified buckets.
+
+    Each publish() copies the tensors straight into a free slot of shared memory (or of one
+    GPU's memory), with a manifest of their names, dtypes and shapes that every consumer
+    checks before it sees a tensor. A context manager: leaving it closes the channel and
+    removes its segments.
+
+    channel: the channel's name, as Subscribers and `tbucket` name it.
+    slots: buckets in flight at once, each as large as the largest published so far.
+    min_consumers: consumers that must attach before publish() goes on (0: none).
+    max_consumers: consumers that may attach at once.
+    checksum: hash every payload, and have consumers check it.
+    mode: the segments' permissions (0o600: this user only).
+    device: where payloads live: None or "cpu" (host shared memory), or "cuda:N" or a
+        torch.device (that GPU; publish() then takes tensors on it).
+    policy: "block" (lossless: publish() waits for a slow consumer) or "latest" (publish()
+        never waits for one; it skips to the newest whole update), which needs
+        slots >= (max_consumers + 1) * update_buckets.
+    update_buckets: the most buckets one update has (only "latest" reserves slots for it).
+
+    Raises ChannelError (ChannelExists) when a live producer owns the name already, and
+    InvalidArgument for a bad name or option.
+    """
+
+    def __init__(
+        self,
+        channel: str,
+        slots: int = 2,
+        min_consumers: int = 1,
+        max_consumers: int = 8,
+        checksum: bool = False,
+        mode: int = _FileMode(0o600),
+        device: Device = None,
+        policy: Policy = "block",
+        update_buckets: int = 1,
+    ) -> None:
+        self._impl = _C.Publisher(
+            _text("channel", channel),
+            _integer("slots", slots, 0, _U32),
+            _integer("min_consumers", min_consumers, 0, _U32),
+            _integer("max_consumers", max_consumers, 0, _U32),
+            _flag("checksum", checksum),
+            _integer("mode", mode, 0, 0o777),
+            device,
+            _text("policy", policy),
+            _integer("update_buckets", update_buckets, 0, _U32),
+        )
+
+    def publish(
+        self,
+        tensors: Tensors,
+        version: int = 0,
+        bucket_index: int = 0,
+        bucket_count: int = 1,
+        groups: Optional[Mapping[str, Sequence[str]]] = None,
+        timeout: Optional[float] = 10.0,
+    ) -> None:
+        """Publish tensors as one bucket, copied straight into a free slot.
+
+        tensors: a mapping {name: tensor} or (name, tensor) pairs. On a CUDA channel, tensors
+            on its device, copied after the work queued so far on torch's current stream.
+        version: the caller's number for what this is (a training step).
+        bucket_index, bucket_count: this bucket's place in an update split into several;
+            an update's buckets are published in order, index 0 first.
+        groups: {group: [member, ...]}: names that consumers must receive together.
+        timeout: how long to wait for a free slot. Timeout then names the consumer that held
+            it back (pid, bucket, since when), or says that none is attached; nothing was
+            published.
+
+        Raises ManifestError or InvalidArgument for tensors that cannot be published (naming
+        the entry), before anything is written.
+        """
+        self._impl.publish(
+            tensors,
+            _integer("version", version, 0, _U64),
+            _integer("bucket_index", bucket_index, 0, _U32),
+            _integer("bucket_count", bucket_count, 0, _U32),
+            groups,
+            _seconds("timeout", timeout),
+        )
+
+    def drain(self, timeout: Optional[float] = 10.0) -> bool:
+        """Wait until consumers released every bucket published; False on timeout."""
+        return self._impl.drain(_seconds("timeout", timeout))
+
+    def close(self) -> None:
+        """Close the channel and remove its segments; consumers see ProducerGone once they
+        have received what was published. A publish() or drain() waiting in another thread
+        raises InvalidArgument."""
+        self._impl.close()
+
+    @property
+    def published(self) -> int:
+        """Buckets published so far."""
+        return self._impl.published
+
+    @property
+    def incarnation(self) -> int:
+        """Random, new for each Publisher of a channel name: sequences count within one."""
+        return self._impl.incarnation
+
+    @property
+    def policy(self) -> str:
+        """"block" or "latest"."""
+        return self._impl.policy
+
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(
+        self,
+        kind: Optional[type[BaseException]],
+        error: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> None:
+        self.close()
+
+
+class Bucket(Mapping[str, torch.Tensor]):
+    """A verified bucket: a read-only mapping {name: tensor} of zero-copy views.
+
+    Made by Subscriber.next(). Each view is made on first access, and is mapped read-only:
+    writing through one faults (SIGSEGV); clone() to modify. The bucket's slot stays leased
+    until release() (or the end of a `with` block) and until no view taken from it lives.
+    """
+
+    __slots__ = ("_impl",)
+
+    def __init__(self, impl: _C.Bucket) -> None:
+        self._impl = impl
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._impl[name]
+
+    def __len__(self) -> int:
+        return len(self._impl)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._impl.keys())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._impl
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every view at once, as a dict {name: tensor}."""
+        return self._impl.tensors()
+
+    @property
+    def version(self) -> int:
+        """The version it was published with."""
+        return self._impl.version
+
+    @property
+    def bucket_index(self) -> int:
+        """Its place in its update, from 0."""
+        return self._impl.bucket_index
+
+    @property
+    def bucket_count(self) -> int:
+        """How many buckets its update has."""
+        return self._impl.bucket_count
+
+    @property
+    def sequence(self) -> int:
+        """Its number among the buckets its producer published, from 0."""
+        return self._impl.sequence
+
+    @property
+    def incarnation(self) -> int:
+        """The incarnation of the producer that published it."""
+        return self._impl.incarnation
+
+    @property
+    def publish_start_ns(self) -> int:
+        """When the producer began publishing it, as time.monotonic_ns() counts."""
+        return self._impl.publish_start_ns
+
+    @property
+    def published_ns(self) -> int:
+        """When it became visible to consumers, as time.monotonic_ns() counts."""
+        return self._impl.published_ns
+
+    @property
+    def received_ns(self) -> int:
+        """When next() handed it over, as time.monotonic_ns() counts: received_ns -
+        publish_start_ns is the handoff's latency."""
+        return self._impl.received_ns
+
+    def release(self) -> None:
+        """Give the slot back, once no view taken from it lives; a second release() raises
+        InvalidArgument. A CUDA bucket is released after the work queued so far on torch's
+        current stream."""
+        self._impl.release()
+
+    def __enter__(self) -> "Bucket":
+        return self
+
+    def __exit__(
+        self,
+        kind: Optional[type[BaseException]],
+        error: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return (f"<tensorbucket.Bucket version={self.version} bucket_index={self.bucket_index} "
+                f"bucket_count={self.bucket_count}, {len(self)} tensors>")
+
+
+class Update(Mapping[str, torch.Tensor]):
+    """A whole update: every bucket of one version, and a read-only mapping {name: tensor}
+    over all of them.
+
+    Made by Subscriber.next_update() and Subscriber.updates(). Its slots stay leased until
+    release() (or the end of a `with` block) and until no view taken from it lives.
+    """
+
+    __slots__ = ("_impl", "_buckets")
+
+    def __init__(self, impl: _C.Update) -> None:
+        self._impl = impl
+        self._buckets = tuple(Bucket(bucket) for bucket in impl.buckets)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._impl[name]
+
+    def __len__(self) -> int:
+        return len(self._impl)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._impl.keys())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._impl
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every view at once, as a dict {name: tensor}."""
+        return self._impl.tensors()
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        """Its buckets, in order."""
+        return self._buckets
+
+    @property
+    def bucket_count(self) -> int:
+        """How many buckets it has."""
+        return len(self._buckets)
+
+    @property
+    def version(self) -> int:
+        """The version its buckets were published with."""
+        return self._impl.version
+
+    @property
+    def incarnation(self) -> int:
+        """The incarnation of the producer that published it."""
+        return self._impl.incarnation
+
+    @property
+    def sequence(self) -> int:
+        """The sequence of its first bucket."""
+        return self._impl.sequence
+
+    @property
+    def publish_start_ns(self) -> int:
+        """When the producer began publishing its first bucket, as time.monotonic_ns()
+        counts."""
+        return self._impl.publish_start_ns
+
+    @property
+    def published_ns(self) -> int:
+        """When its last bucket became visible to consumers, as time.monotonic_ns() counts."""
+        return self._impl.published_ns
+
+    @property
+    def received_ns(self) -> int:
+        """When it was handed over, as time.monotonic_ns() counts: received_ns -
+        publish_start_ns is the update's latency."""
+        return self._impl.received_ns
+
+    def release(self) -> None:
+        """Give every slot of the update back, once no view taken from it lives; a second
+        release() raises InvalidArgument."""
+        self._impl.release()
+
+    def __enter__(self) -> "Update":
+        return self
+
+    def __exit__(
+        self,
+        kind: Optional[type[BaseException]],
+        error: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<tensorbucket.Update version={self.version}, {self.bucket_count} buckets>"
+
+
+class Subscriber:
+    """A consumer of a channel: receives its buckets, or whole updates, verified, as
+    zero-copy tensor views.
+
+    Attaches to the channel's live producer, waiting up to `timeout` for one; a dead
+    producer's leftovers are removed, never attached to (ChannelError ChannelMissing when none
+    came). A context manager: leaving it stops receiving.
+
+    device: "cpu" or "cuda" to refuse a channel whose payloads live elsewhere (ChannelError);
+        None takes either.
+    follow: after ProducerGone, go on with the channel's next producer.
+    whole_updates: a subscriber that attaches in the middle of an update starts at the next
+        one (False: it takes every bucket still held).
+    """
+
+    def __init__(
+        self,
+        channel: str,
+        timeout: Optional[float] = 10.0,
+        device: Device = None,
+        follow: bool = False,
+        whole_updates: bool = True,
+    ) -> None:
+        self._follow = _flag("follow", follow)
+        self._impl = _C.Subscriber(_text("channel", channel), _seconds("timeout", timeout), device,
+                                   self._follow, _flag("whole_updates", whole_updates))
+
+    def next(self, timeout: Optional[float] = 10.0, expected: Optional[Tensors] = None) -> Optional[Bucket]:
+        """The next bucket, verified; None when none arrived within timeout.
+
+        A CUDA channel's views are CUDA tensors, ready on torch's current stream.
+        expected: the model's state_dict (or its tensors); the bucket must match its names,
+            dtypes and shapes, or one bucket of a split update a part of them (ManifestError
+            ManifestMismatch otherwise, its `details` listing every difference).
+
+        Raises ProducerGone once the producer closed or died and every bucket it published
+        was received, and ManifestError for a bucket that fails verification (skipped).
+        """
+        bucket = self._impl.next(_seconds("timeout", timeout), expected)
+        return None if bucket is None else Bucket(bucket)
+
+    def next_update(self, timeout: Optional[float] = 10.0,
+                    expected: Optional[Tensors] = None) -> Optional[Update]:
+        """The next whole update (every bucket of one version, leased), verified; None when
+        none was complete within timeout (the buckets taken so far wait for the next call).
+
+        Needs a channel with at least as many slots as an update has buckets. expected: as
+        for next(), against the whole update.
+        """
+        update = self._impl.next_update(_seconds("timeout", timeout), expected)
+        return None if update is None else Update(update)
+
+    def updates(self, timeout: Optional[float] = None,
+                expected: Optional[Tensors] = None) -> Iterator[Update]:
+        """Iterate over whole updates until the producer is gone (with follow: without end).
+
+        Each update is released when the loop asks for the next (or ends); Timeout when none
+        came within timeout (None: no limit).
+        """
+        seconds = _seconds("timeout", timeout)
+        while True:
+            try:
+                update = self.next_update(seconds, expected)
+            except ProducerGone:
+                if self._follow:
+                    continue  # the next call waits for the next producer
+                return
+            if update is None:
+                raise _error(Timeout, f"no whole update arrived within {seconds} s")
+            try:
+                yield update
+            finally:
+                try:
+                    update.release()
+                except InvalidArgument:
+                    pass  # the loop's body released it already
+
+    @property
+    def incarnation(self) -> int:
+        """The incarnation of the producer attached to now."""
+        return self._impl.incarnation
+
+    @property
+    def policy(self) -> str:
+        """The channel's overflow policy: "block" or "latest"."""
+        return self._impl.policy
+
+    def close(self) -> None:
+        """Stop receiving; a next() waiting in another thread raises InvalidArgument. The
+        channel is left once every bucket and view from this subscriber is gone."""
+        self._impl.close()
+
+    def __enter__(self) -> "Subscriber":
+        return self
+
+    def __exit__(
+        self,
+        kind: Optional[type[BaseException]],
+        error: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> None:
+        self.close()
+
+
+def load_into(module: Union[torch.nn.Module, Mapping[str, torch.Tensor]],
+              tensors: Union[Bucket, Update, Tensors]) -> None:
+    """Copy tensors into a module's parameters and buffers, as strictly as load_state_dict.
+
+    module: a torch.nn.Module, or its state_dict(keep_vars=True), built once (cheaper for a
+        server that loads every step).
+    tensors: a Bucket (one bucket of a split update loads into the part of module it names),
+        a whole Update, or a mapping {name: tensor}.
+
+    Every problem is checked before anything is copied: ManifestError ManifestMismatch leads
+    with the counts and the first few names, and lists them all in its `details`.
+    """
+    if isinstance(tensors, (Bucket, Update)):
+        _C.load_into(module, tensors._impl)
+    else:
+        _C.load_into(module, tensors)

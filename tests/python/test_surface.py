@@ -1,0 +1,202 @@
+"""The Python surface as a user meets it: help(), signatures, the type stubs and a type checker,
+argument errors, and error messages."""
+import ast
+import inspect
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import tensorbucket
+from tensorbucket import _C
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGE = pathlib.Path(tensorbucket.__file__).parent
+PUBLIC_CLASSES = (tensorbucket.Publisher, tensorbucket.Subscriber, tensorbucket.Bucket, tensorbucket.Update)
+
+
+@pytest.fixture
+def channel(request):
+    name = "".join(c if c.isalnum() or c in "._-" else "-" for c in request.node.name)
+    return f"tbpy-{os.getpid()}-{name}"[:64]
+
+
+def public_members(cls):
+    for name, member in vars(cls).items():
+        if not name.startswith("_") or name in ("__init__", "__enter__", "__exit__"):
+            yield name, member
+
+
+def test_every_class_method_and_property_has_a_docstring():
+    assert tensorbucket.__doc__ and tensorbucket.load_into.__doc__
+    for cls in PUBLIC_CLASSES:
+        assert cls.__doc__ and len(cls.__doc__.splitlines()) > 1, cls
+        for name, member in public_members(cls):
+            if name in ("__enter__", "__exit__"):
+                continue
+            assert inspect.getdoc(member), f"{cls.__name__}.{name}"
+
+
+def test_signatures_name_every_type():
+    for cls in PUBLIC_CLASSES:
+        for name, member in public_members(cls):
+            function = member.fget if isinstance(member, property) else member
+            signature = inspect.signature(function)
+            assert signature.return_annotation is not inspect.Signature.empty, f"{cls.__name__}.{name}"
+            for parameter in list(signature.parameters.values())[1:]:  # after self
+                assert parameter.annotation is not inspect.Parameter.empty, f"{cls.__name__}.{name}({parameter})"
+    publish = str(inspect.signature(tensorbucket.Publisher.publish))
+    assert "tensors: Union[collections.abc.Mapping[str, torch.Tensor], " \
+           "collections.abc.Sequence[Tuple[str, torch.Tensor]]]" in publish, publish
+    assert "timeout: Optional[float] = 10.0" in publish, publish
+    created = str(inspect.signature(tensorbucket.Publisher))
+    assert created.startswith("(channel: str, slots: int = 2, ") and "mode: int = 0o600" in created, created
+    assert "policy: Literal['block', 'latest'] = 'block'" in created, created
+    assert str(inspect.signature(tensorbucket.Subscriber.next)).endswith("-> Optional[tensorbucket.Bucket]")
+
+
+def test_help_shows_the_signature_and_the_words():
+    text = subprocess.run([sys.executable, "-c", "import tensorbucket; help(tensorbucket.Publisher)"],
+                          capture_output=True, text=True, check=True, env=dict(os.environ, PAGER="cat")).stdout
+    assert "publish(self, tensors: Union[" in text and "mode: int = 0o600" in text, text
+    assert "Timeout then names the consumer that held" in text, text
+
+
+def test_bad_argument_types_and_values_are_named():
+    with pytest.raises(TypeError, match="^timeout must be seconds \\(an int or a float\\) or None, not str$"):
+        tensorbucket.Subscriber("tbpy-never", timeout="5")
+    with pytest.raises(TypeError, match="^slots must be an int, not float$"):
+        tensorbucket.Publisher("tbpy-never", slots=2.0)
+    with pytest.raises(TypeError, match="^checksum must be True or False, not int$"):
+        tensorbucket.Publisher("tbpy-never", checksum=1)
+    with pytest.raises(TypeError, match="^channel must be a str, not bytes$"):
+        tensorbucket.Publisher(b"tbpy-never")
+
+
+def test_bad_values_raise_value_errors_that_say_the_rule(channel):
+    with tensorbucket.Publisher(channel, min_consumers=0) as publisher:
+        with pytest.raises(ValueError, match="^version must be >= 0, not -1$") as refused:
+            publisher.publish({"w": torch.ones(2)}, version=-1)
+        assert isinstance(refused.value, tensorbucket.InvalidArgument) and refused.value.code == "InvalidArgument"
+        with pytest.raises(ValueError, match="^bucket_index must be <= 4294967295, not 4294967296$"):
+            publisher.publish({"w": torch.ones(2)}, bucket_index=2**32)
+        with pytest.raises(ValueError, match="^timeout must be seconds >= 0"):
+            publisher.drain(timeout=-1)
+        assert publisher.published == 0
+    with pytest.raises(ValueError, match="policy"):
+        tensorbucket.Publisher(channel, policy="newest")
+
+
+def test_errors_show_as_tensorbucket_classes_and_say_their_kind_once(channel):
+    assert tensorbucket.Timeout.__module__ == "tensorbucket"
+    assert issubclass(tensorbucket.Timeout, TimeoutError) and issubclass(tensorbucket.InvalidArgument, ValueError)
+    result = subprocess.run([sys.executable, "-c", "import tensorbucket; tensorbucket.Subscriber('tbpy-none', timeout=0)"],
+                            capture_output=True, text=True)
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == "tensorbucket.ChannelError: ChannelMissing: channel 'tbpy-none' had no live producer within 0.0 s", last
+
+
+def test_a_long_manifest_mismatch_leads_with_a_summary_and_keeps_every_name(channel):
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(8)))
+    sent = {f"module.{name}": tensor for name, tensor in model.state_dict().items()}  # a DDP prefix
+    with pytest.raises(tensorbucket.ManifestError) as mismatch:
+        tensorbucket.load_into(model, sent)
+    message = str(mismatch.value)
+    assert message.startswith("ManifestMismatch: bucket does not match the expected manifest (16 missing, "
+                              "16 unexpected): missing '0.weight', '0.bias', '1.weight' and 13 more; "
+                              "unexpected 'module.0.weight', "), message
+    assert len(message) < 250, message
+    details = mismatch.value.details.splitlines()
+    assert len(details) == 32 and "missing '7.bias'" in details and "unexpected 'module.7.bias'" in details
+
+
+def test_inference_tensors_are_refused_with_the_hint_first():
+    with torch.inference_mode():
+        model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(40)))
+    with pytest.raises(tensorbucket.InvalidArgument) as refused:
+        tensorbucket.load_into(model, model.state_dict())
+    message = str(refused.value)
+    assert message.startswith("cannot load into inference tensors outside inference mode (80 tensors): "
+                              "'0.weight', '0.bias', '1.weight' and 77 more; load under torch.inference_mode()"), message
+    assert len(refused.value.details.splitlines()) == 80
+
+
+def test_a_received_bucket_and_update_carry_monotonic_timings(channel):
+    with tensorbucket.Publisher(channel, min_consumers=0) as publisher, \
+            tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+        before = time.monotonic_ns()
+        publisher.publish({"w": torch.ones(2)}, bucket_count=1)
+        with subscriber.next_update(timeout=5) as update:
+            after = time.monotonic_ns()
+            assert before <= update.publish_start_ns <= update.published_ns <= update.received_ns <= after
+            bucket = update.buckets[0]
+            assert before <= bucket.publish_start_ns <= bucket.published_ns <= bucket.received_ns <= after
+
+
+def type_check(*paths):
+    """mypy as the project configures it (pyproject.toml), on `paths`; its error lines."""
+    env = {key: value for key, value in os.environ.items() if key != "LD_PRELOAD"}  # a sanitizer's runtime
+    env["MYPYPATH"] = str(PACKAGE.parent)
+    result = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
+                             "--no-incremental", "--no-error-summary", "--show-absolute-path", *map(str, paths)],
+                            capture_output=True, text=True, env=env, cwd=ROOT)
+    assert result.returncode in (0, 1), result.stderr
+    return [line for line in result.stdout.splitlines() if ": error: " in line]
+
+
+MISUSE = '''
+import torch
+import tensorbucket
+
+publisher = tensorbucket.Publisher("x", slots="2")  # wrong
+publisher.publish([torch.ones(2)])  # wrong
+publisher.publish({"w": torch.ones(2)}, version=1, timeout=None)
+subscriber = tensorbucket.Subscriber("x", follow=True)
+bucket = subscriber.next(timeout="5")  # wrong
+if bucket is not None:
+    version: str = bucket.version  # wrong
+    weight: torch.Tensor = bucket["w"]
+for update in subscriber.updates():
+    tensorbucket.load_into(torch.nn.Linear(2, 2), update)
+    tensorbucket.load_into(torch.nn.Linear(2, 2), update.version)  # wrong
+'''
+
+
+def test_the_stubs_type_check_the_package_and_the_examples_and_catch_misuse(tmp_path):
+    """The package's own annotations over _C.pyi, strictly; the examples as a user writes them;
+    and a user's mistakes, each found on its line."""
+    misuse = tmp_path / "misuse.py"
+    misuse.write_text(MISUSE)
+    errors = type_check(PACKAGE, ROOT / "examples", misuse)
+    assert all(line.startswith(str(misuse)) for line in errors), "\n".join(errors)
+    wrong = {i + 1 for i, line in enumerate(MISUSE.splitlines()) if line.endswith("# wrong")}
+    found = {int(line.split(":")[1]) for line in errors}
+    assert found == wrong, "\n".join(errors)
+
+
+def test_the_stub_of_the_bindings_names_what_they_have():
+    """_C.pyi against _C itself: the same classes, and in each the same public members."""
+    stub = ast.parse((PACKAGE / "_C.pyi").read_text())
+    stubbed = {node.name: {item.name for item in node.body if isinstance(item, ast.FunctionDef)} - {"__init__"}
+               for node in stub.body if isinstance(node, ast.ClassDef)}
+    runtime = {name: value for name, value in vars(_C).items() if isinstance(value, type)}
+    assert stubbed.keys() == runtime.keys()
+    for name, cls in runtime.items():
+        if issubclass(cls, BaseException):
+            continue
+        members = {member for member in vars(cls)
+                   if not member.startswith("_") or member in ("__len__", "__contains__", "__getitem__")}
+        assert stubbed[name] == members, name
+    functions = {node.name for node in stub.body if isinstance(node, ast.FunctionDef)}
+    assert functions == {name for name, value in vars(_C).items() if callable(value) and not isinstance(value, type)
+                         and not name.startswith("_")}
+
+
+def test_the_package_ships_its_types():
+    assert (PACKAGE / "py.typed").exists() and (PACKAGE / "_C.pyi").exists()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", tensorbucket.__version__)
