@@ -106,6 +106,7 @@ ChannelInfo inspect_channel(std::string_view channel) {
       state.version = ipc::atomic(place.version).load(std::memory_order_relaxed);
       state.bucket_index = ipc::atomic(place.bucket_index).load(std::memory_order_relaxed);
       state.bucket_count = ipc::atomic(place.bucket_count).load(std::memory_order_relaxed);
+      state.published_ns = ipc::atomic(slot.published_ns).load(std::memory_order_relaxed);
     }
     if (state.bucket && (!newest || *state.bucket > *info.slot_states[*newest].bucket)) newest = s;
     info.slot_states.push_back(state);

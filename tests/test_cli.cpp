@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
+#include <pty.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -451,7 +452,7 @@ TEST_F(Cli, InspectShowsTheChannel) {
         std::string("\"location\":\"host\",\"policy\":\"block\",\"update_buckets\":1"),
         std::string("\"epoch\":1,\"payload_capacity\":"), std::string("\"published\":3,\"updates\":2"),
         std::string("{\"slot\":0,\"generation\":2,\"bucket\":0,"),
-        std::string("\"version\":0,\"bucket_index\":0,\"bucket_count\":2}"),
+        std::string("\"version\":0,\"bucket_index\":0,\"bucket_count\":2,\"published_ns\":"),
         "\"consumers\":[{\"record\":0,\"pid\":" + pid + ",\"pid_elsewhere\":false,\"alive\":true,"
         "\"next_bucket\":1,\"lag_buckets\":2,\"lag_updates\":2,\"held_slots\":1}]",
         std::string("\"newest_manifest\":{\"version\":1,\"bucket_index\":0,\"bucket_count\":2,\"entries\":2,")}) {
@@ -467,10 +468,110 @@ TEST_F(Cli, InspectShowsTheChannel) {
   EXPECT_NE(text.find("bucket 0 (version 0, bucket index 0 of 2)"), std::string::npos) << text;
   EXPECT_NE(text.find("payloads   in host shared memory"), std::string::npos) << text;
   EXPECT_NE(text.find("epoch 1, 4096 payload bytes"), std::string::npos) << text;
+  // Counted from 0, as in the JSON.
+  EXPECT_NE(text.find("newest     version 1, bucket index 0 of 2, 2 entries"), std::string::npos) << text;
   EXPECT_NE(text.find("consumer   record 0: pid " + pid + ", alive, next bucket 1, 2 buckets and 2 updates behind, "
                       "leases 0x1"),
             std::string::npos) << text;
   EXPECT_EQ(run({"inspect", "--channel", channel + "-missing"}), 6);
+}
+
+TEST_F(Cli, InspectWatchShowsRatesLagsAndLeasesUntilTheChannelIsGone) {
+  cli::Workload workload{.tensors = 2, .tensor_bytes = 64};
+  std::optional<Publisher> publisher(Publisher::create(channel, {.slots = 3}));
+  auto subscriber = Subscriber::attach(channel, 1s);
+  ASSERT_TRUE(publisher->publish(cli::make_bucket(workload, 0).builder, 1s));
+  auto held = subscriber.next(1s);
+  ASSERT_TRUE(held.has_value());
+
+  Tbucket watch({"inspect", "--channel", channel, "--watch", "--interval-ms", "50"});
+  auto refreshes = [&] {
+    auto out = watch.out();
+    return std::count(out.begin(), out.end(), '\n') / 2;  // a channel line and a consumer line each
+  };
+  ASSERT_TRUE(test::wait_until([&] { return refreshes() >= 2; }));
+  ASSERT_TRUE(publisher->publish(cli::make_bucket(workload, 1).builder, 1s));
+  ASSERT_TRUE(test::wait_until([&] { return watch.out().find(": 2 buckets, 2 updates published; ") != std::string::npos; }));
+  publisher.reset();  // closes: its names go
+  EXPECT_EQ(watch.finish(), 0) << watch.err();
+  auto out = watch.out();
+  EXPECT_NE(out.find(" " + channel + ": 1 buckets, 1 updates published; 0.0 buckets/s, 0.0 MiB/s; producer pid " +
+                     std::to_string(::getpid()) + " alive; 1 consumers\n"),
+            std::string::npos) << out;
+  EXPECT_NE(out.find("  consumer record 0, pid " + std::to_string(::getpid()) +
+                     ", alive: 1 buckets and 1 updates behind, holds bucket 0 (published "),
+            std::string::npos) << out;
+  EXPECT_NE(out.find("channel " + channel + " is gone\n"), std::string::npos) << out;
+  EXPECT_EQ(run({"inspect", "--channel", channel, "--watch", "--json"}), 2);
+}
+
+TEST_F(Cli, HelpShowsEveryDefaultAndUnit) {
+  Tbucket help({"produce", "--help"});
+  ASSERT_EQ(help.finish(), 0);
+  auto text = help.out();
+  for (const char* expected : {"--slots UINT:1..16=2 ", "--timeout-ms UINT=10000 ", "in milliseconds",
+                               "--policy TEXT:{block,latest}=block\n", "--tensor-bytes UINT:8..1099511627776=4096\n",
+                               "Bytes per tensor", "--quiet"}) {
+    EXPECT_NE(text.find(expected), std::string::npos) << expected << " not in " << text;
+  }
+  Tbucket version({"--version"});
+  ASSERT_EQ(version.finish(), 0);
+  EXPECT_EQ(version.out().rfind("tbucket ", 0), 0u) << version.out();
+}
+
+// `args` with stderr on a terminal (a pseudo-terminal's), stdout to a file: what it drew there.
+std::string stderr_on_a_terminal(std::vector<std::string> args) {
+  int terminal = -1, side = -1;
+  if (::openpty(&terminal, &side, nullptr, nullptr, nullptr) != 0) return "openpty failed";
+  const char* binary = std::getenv("TBUCKET");
+  std::fflush(nullptr);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(::open("/dev/null", O_WRONLY), 1);
+    ::dup2(side, 2);
+    std::vector<char*> argv{const_cast<char*>(binary)};
+    for (auto& arg : args) argv.push_back(arg.data());
+    argv.push_back(nullptr);
+    ::execv(binary, argv.data());
+    ::_exit(127);
+  }
+  ::close(side);
+  std::string drawn;
+  char chunk[512];
+  for (ssize_t n; (n = ::read(terminal, chunk, sizeof chunk)) > 0;) drawn.append(chunk, static_cast<std::size_t>(n));
+  ::close(terminal);  // read() ends with EIO once the child, the last holder of its side, is gone
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? drawn : "exit status " + std::to_string(status);
+}
+
+TEST_F(Cli, ProgressIsDrawnOnATerminalOnlyAndNotWithQuiet) {
+  std::vector<std::string> produce{"produce", "--channel", channel, "--buckets", "3", "--consumers", "0",
+                                   "--tensors", "2", "--tensor-bytes", "1048576", "--interval-ms", "600"};
+  auto drawn = stderr_on_a_terminal(produce);
+  EXPECT_NE(drawn.find("tbucket produce: 3 buckets, 6.0 MiB in "), std::string::npos) << drawn;
+  EXPECT_NE(drawn.find("buckets/s, "), std::string::npos) << drawn;
+  produce.push_back("--quiet");
+  EXPECT_EQ(stderr_on_a_terminal(produce), "");
+  // Not a terminal: nothing but the result, on stdout.
+  produce.pop_back();
+  Tbucket logged(produce);
+  EXPECT_EQ(logged.finish(), 0);
+  EXPECT_EQ(logged.err(), "");
+  EXPECT_NE(logged.out().find("published 3 buckets, 6.0 MiB"), std::string::npos) << logged.out();
+}
+
+TEST_F(Cli, DemoSaysInPlainWordsWhatWasTriedAndRefused) {
+  Tbucket demo({"demo", "--layers", "1"});
+  ASSERT_EQ(demo.finish(), 0) << demo.err();
+  auto out = demo.out();
+  for (const char* expected : {"what a consumer must refuse, and does:\n",
+                               "  the manifest of the bucket, without its payload:\n    refused, MissingPayload: ",
+                               "    refused, ChecksumMismatch: ", "median ", " over 3 buckets", "demo ok\n"}) {
+    EXPECT_NE(out.find(expected), std::string::npos) << expected << " not in " << out;
+  }
+  EXPECT_EQ(out.find("seed 0"), std::string::npos) << out;
+  EXPECT_EQ(out.find("p99"), std::string::npos) << out;  // 3 samples have none
 }
 
 }  // namespace

@@ -23,6 +23,7 @@ struct ProduceOptions {
   std::string device = "host";  // where the payloads live: host, cuda, cuda:N
   std::uint64_t interval_ms = 0;
   std::uint64_t timeout_ms = 10000;
+  bool quiet = false;  // no progress line, even on a terminal
 };
 
 struct ConsumeOptions {
@@ -35,11 +36,14 @@ struct ConsumeOptions {
   std::string device;  // empty: wherever the channel has them; else host, cuda, cuda:N
   std::uint64_t timeout_ms = 10000;
   bool json = false;
+  bool quiet = false;  // no progress line, even on a terminal
 };
 
 struct InspectOptions {
   std::string channel;
   bool json = false;
+  bool watch = false;  // redraw every interval_ms until the channel is gone or a signal
+  std::uint64_t interval_ms = 1000;
 };
 
 struct ListOptions {

@@ -1,3 +1,5 @@
+#include <unistd.h>
+
 #include <cstdio>
 #include <ctime>
 #include <optional>
@@ -6,6 +8,7 @@
 
 #include "commands.hpp"
 #include "exit_codes.hpp"
+#include "progress.hpp"
 
 namespace tensorbucket::cli {
 namespace {
@@ -90,6 +93,8 @@ int run_consume(const ConsumeOptions& options) {
     throw Error(ErrorCode::ChannelMissing, "channel '" + options.channel + "' had no live producer within " +
                                                std::to_string(options.timeout_ms) + " ms");
   }
+  // Lines printed to a terminal show the progress themselves.
+  Progress progress("consume", !options.quiet && ::isatty(STDOUT_FILENO) == 0);
   for (std::uint64_t received = 0; options.buckets == 0 || received < options.buckets; ++received) {
     Line line;
     try {
@@ -103,6 +108,7 @@ int run_consume(const ConsumeOptions& options) {
         return line.buckets > 0;
       });
     } catch (const Error& e) {
+      progress.finish();
       if (e.code() != ErrorCode::ProducerGone) throw;
       if (!options.follow) {
         if (options.buckets == 0) return kOk;
@@ -112,6 +118,8 @@ int run_consume(const ConsumeOptions& options) {
       --received;
       continue;
     }
+    progress.add(line.buckets, line.bytes);
+    if (stop_signal() != 0 || line.buckets == 0 || !line.problem.empty()) progress.finish();
     if (stop_signal() != 0) return stopped();
     if (line.buckets == 0) {
       std::fprintf(stderr, "tbucket: Timeout: no %s arrived on '%s' within %llu ms\n",

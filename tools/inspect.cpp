@@ -1,6 +1,9 @@
 #include <cstdio>
+#include <ctime>
 #include <map>
+#include <optional>
 #include <sstream>
+#include <thread>
 
 #include "commands.hpp"
 #include "exit_codes.hpp"
@@ -48,7 +51,7 @@ void print_json(const ChannelInfo& info) {
         << ",\"payload_capacity\":" << slot.payload_capacity;
     if (slot.version) {
       out << ",\"version\":" << *slot.version << ",\"bucket_index\":" << slot.bucket_index
-          << ",\"bucket_count\":" << slot.bucket_count;
+          << ",\"bucket_count\":" << slot.bucket_count << ",\"published_ns\":" << slot.published_ns;
     }
     out << "}";
   }
@@ -125,9 +128,9 @@ void print_text(const ChannelInfo& info) {
   }
   if (info.newest_manifest) {
     auto summary = summarize(*info.newest_manifest);
-    std::printf("  newest     version %llu, bucket %u of %u, %zu entries, %zu groups, %llu bytes:",
+    std::printf("  newest     version %llu, bucket index %u of %u, %zu entries, %zu groups, %llu bytes:",
                 static_cast<unsigned long long>(info.newest_manifest->version),
-                info.newest_manifest->bucket_index + 1, info.newest_manifest->bucket_count,
+                info.newest_manifest->bucket_index, info.newest_manifest->bucket_count,
                 info.newest_manifest->entries.size(), info.newest_manifest->groups.size(),
                 static_cast<unsigned long long>(summary.bytes));
     for (auto [name, count] : summary.dtypes) std::printf(" %zu %s", count, std::string(name).c_str());
@@ -135,9 +138,92 @@ void print_text(const ChannelInfo& info) {
   }
 }
 
+std::uint64_t monotonic_ns() {
+  timespec now{};
+  ::clock_gettime(CLOCK_MONOTONIC, &now);
+  return static_cast<std::uint64_t>(now.tv_sec) * 1'000'000'000u + static_cast<std::uint64_t>(now.tv_nsec);
+}
+
+// What a consumer's leases hold, for --watch: "holds bucket 12 (published 0.4 s ago)", its
+// oldest, which it has held at most that long.
+std::string leases_of(const ChannelInfo& info, const ChannelInfo::Consumer& consumer, std::uint64_t now_ns) {
+  std::optional<std::size_t> oldest;
+  for (std::size_t s = 0; s < info.slot_states.size(); ++s) {
+    const auto& slot = info.slot_states[s];
+    if ((consumer.held_slots >> s & 1u) == 0 || !slot.bucket) continue;
+    if (!oldest || *slot.bucket < *info.slot_states[*oldest].bucket) oldest = s;
+  }
+  if (!oldest) return "holds nothing";
+  const auto& slot = info.slot_states[*oldest];
+  std::string text = "holds bucket " + std::to_string(*slot.bucket);
+  if (slot.published_ns != 0 && slot.published_ns <= now_ns) {
+    char age[48];
+    std::snprintf(age, sizeof age, " (published %.1f s ago)", static_cast<double>(now_ns - slot.published_ns) / 1e9);
+    text += age;
+  }
+  return text;
+}
+
+// One refresh of --watch, in plain lines that read the same in a terminal and in a log: the
+// time, what was published since the refresh before (as rates), each consumer's lag and lease.
+void print_watch(const ChannelInfo& info, const std::optional<ChannelInfo>& before, double seconds) {
+  auto u = [](std::uint64_t value) { return static_cast<unsigned long long>(value); };
+  char clock[16];
+  auto wall = std::time(nullptr);
+  std::tm local{};
+  std::strftime(clock, sizeof clock, "%H:%M:%S", ::localtime_r(&wall, &local));
+  // A new producer of the name starts counting again.
+  bool same_producer = before && before->producer_incarnation == info.producer_incarnation &&
+                       before->published <= info.published;
+  auto buckets = same_producer ? info.published - before->published : 0;
+  double bucket_bytes = info.newest_manifest ? static_cast<double>(summarize(*info.newest_manifest).bytes) : 0;
+  double rate = seconds > 0 ? static_cast<double>(buckets) / seconds : 0;
+  std::printf("%s %s: %llu buckets, %llu updates published; %.1f buckets/s, %.1f MiB/s; producer pid %d %s%s; "
+              "%zu consumers\n",
+              clock, info.channel.c_str(), u(info.published), u(info.updates), rate, rate * bucket_bytes / (1 << 20),
+              info.producer_pid, info.producer_alive ? "alive" : "gone", info.closed ? ", closed" : "",
+              info.consumers.size());
+  auto now_ns = monotonic_ns();
+  for (const auto& consumer : info.consumers) {
+    std::printf("  consumer record %u, pid %d%s, %s: %llu buckets and %llu updates behind, %s\n", consumer.record,
+                consumer.pid, consumer.pid_elsewhere ? kElsewhere : "", consumer.alive ? "alive" : "gone",
+                u(lag(info.published, consumer.next_bucket)), u(lag(info.updates, consumer.next_update)),
+                leases_of(info, consumer, now_ns).c_str());
+  }
+  std::fflush(stdout);
+}
+
+// --watch: a refresh every interval until the channel is gone, or Ctrl+C (which ends it
+// normally: watching changes nothing).
+int watch(const InspectOptions& options) {
+  install_stop_handlers();
+  std::optional<ChannelInfo> before;
+  auto last = std::chrono::steady_clock::now();
+  for (;;) {
+    std::optional<ChannelInfo> info;
+    try {
+      info = inspect_channel(options.channel);
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::ChannelMissing || !before) throw;
+      std::printf("channel %s is gone\n", options.channel.c_str());
+      return kOk;
+    }
+    auto now = std::chrono::steady_clock::now();
+    print_watch(*info, before, std::chrono::duration<double>(now - last).count());
+    before = std::move(info);
+    last = now;
+    with_deadline(options.interval_ms, [](auto slice) {
+      std::this_thread::sleep_for(slice);
+      return false;
+    });
+    if (stop_signal() != 0) return kOk;
+  }
+}
+
 }  // namespace
 
 int run_inspect(const InspectOptions& options) {
+  if (options.watch) return watch(options);
   auto info = inspect_channel(options.channel);
   options.json ? print_json(info) : print_text(info);
   return kOk;

@@ -5,6 +5,7 @@
 
 #include "commands.hpp"
 #include "exit_codes.hpp"
+#include "progress.hpp"
 
 namespace tensorbucket::cli {
 namespace {
@@ -57,7 +58,9 @@ int run_produce(const ProduceOptions& options) {
   }
   std::uint64_t bytes = 0;
   auto start = Clock::now();
+  Progress progress("produce", !options.quiet);
   for (std::uint64_t i = 0; i < workload.buckets; ++i) {
+    auto bytes_before = bytes;
     bool published = false;
     if (in_place) {
       auto layout = make_layout(workload, i);
@@ -85,6 +88,8 @@ int run_produce(const ProduceOptions& options) {
                                 [&](auto slice) { return publisher.publish(bucket.builder, slice); });
       bytes += bucket.builder.payload_bytes();
     }
+    progress.add(published ? 1 : 0, bytes - bytes_before);
+    if (stop_signal() != 0 || !published) progress.finish();
     if (stop_signal() != 0) return stopped();
     if (!published) {
       std::fprintf(stderr, "tbucket: Timeout: no slot of channel '%s' came free within %llu ms (bucket %llu); "
@@ -100,6 +105,7 @@ int run_produce(const ProduceOptions& options) {
     }
   }
   bool drained = with_deadline(options.timeout_ms, [&](auto slice) { return publisher.drain(slice); });
+  progress.finish();
   if (stop_signal() != 0) return stopped();
   if (!drained) {
     std::fprintf(stderr, "tbucket: Timeout: consumers did not release every bucket of '%s' within %llu ms; "

@@ -31,7 +31,10 @@ CLI::Validator whole_number(std::uint64_t min, std::uint64_t max, std::uint64_t 
         }
         return {};
       },
-      "UINT in " + std::to_string(min) + ".." + std::to_string(max));
+      // What --help shows after UINT: its range, where there is one.
+      max != kAny ? std::to_string(min) + ".." + std::to_string(max)
+      : min > 0   ? "at least " + std::to_string(min)
+                  : std::string());
 }
 
 }  // namespace
@@ -41,6 +44,8 @@ int main(int argc, char** argv) {
   CLI::App app{"tbucket: move named tensors between processes as verified zero-copy buckets"};
   app.set_version_flag("--version", "tbucket " TENSORBUCKET_VERSION);
   app.require_subcommand(1);
+  // --help shows every option's default; the subcommands inherit it.
+  app.option_defaults()->always_capture_default();
   // One line, like every other error of tbucket.
   app.failure_message([](const CLI::App*, const CLI::Error& e) {
     return std::string("tbucket: usage: ") + e.what() + " (see tbucket --help)\n";
@@ -53,7 +58,7 @@ int main(int argc, char** argv) {
       ->check(whole_number(1, 1ull << 32));
   produce_command->add_option("--tensors", produce.workload.tensors, "Tensors per bucket")
       ->check(whole_number(0, 1u << 20));
-  produce_command->add_option("--tensor-bytes", produce.workload.tensor_bytes, "Bytes per tensor (multiple of 8)")
+  produce_command->add_option("--tensor-bytes", produce.workload.tensor_bytes, "Bytes per tensor (a multiple of 8)")
       ->check(whole_number(8, 1ull << 40, 8));
   produce_command->add_option("--slots", produce.slots, "Slots (buckets in flight)")->check(whole_number(1, 16));
   produce_command->add_option("--consumers", produce.consumers,
@@ -78,10 +83,13 @@ int main(int argc, char** argv) {
                               "Where the payloads live: host, or cuda:N (a CUDA device of this process; "
                               "its slots are written tensor by tensor from host memory)")
       ->capture_default_str();
-  produce_command->add_option("--interval-ms", produce.interval_ms, "Pause between buckets")
+  produce_command->add_option("--interval-ms", produce.interval_ms, "Pause between buckets, in milliseconds")
       ->check(whole_number(0, kAny));
-  produce_command->add_option("--timeout-ms", produce.timeout_ms, "Longest wait for a slot, and for the final drain")
+  produce_command->add_option("--timeout-ms", produce.timeout_ms,
+                              "Longest wait for a slot, and for the final drain, in milliseconds")
       ->check(whole_number(0, kAny));
+  produce_command->add_flag("--quiet", produce.quiet,
+                            "No progress line on stderr (drawn only when stderr is a terminal)");
 
   cli::ConsumeOptions consume;
   auto* consume_command = app.add_subcommand("consume", "Receive buckets in order and print one line each");
@@ -94,18 +102,28 @@ int main(int argc, char** argv) {
   consume_command->add_option("--device", consume.device,
                               "Refuse a channel whose payloads live elsewhere: host, or cuda (the "
                               "channel's device, found by its UUID)");
-  consume_command->add_option("--timeout-ms", consume.timeout_ms, "Longest wait for the channel and for each bucket")
+  consume_command->add_option("--timeout-ms", consume.timeout_ms,
+                              "Longest wait for the channel and for each bucket, in milliseconds")
       ->check(whole_number(0, kAny));
   consume_command->add_flag("--json", consume.json, "One JSON object per bucket (or update)");
   consume_command->add_flag("--updates", consume.updates,
                             "Receive whole updates, one line each (--buckets then counts updates)");
   consume_command->add_flag("--follow", consume.follow,
                             "When the producer is gone, wait for the channel's next one and go on");
+  consume_command->add_flag("--quiet", consume.quiet,
+                            "No progress line on stderr (drawn only when stderr is a terminal and stdout "
+                            "is not)");
 
   cli::InspectOptions inspect;
   auto* inspect_command = app.add_subcommand("inspect", "Show a channel's configuration, slots and consumers");
   inspect_command->add_option("--channel", inspect.channel, "Channel name")->required();
-  inspect_command->add_flag("--json", inspect.json, "One JSON object");
+  auto* inspect_json = inspect_command->add_flag("--json", inspect.json, "One JSON object");
+  inspect_command->add_flag("--watch", inspect.watch,
+                            "Print the publish rate and each consumer's lag and lease every interval, "
+                            "until the channel is gone or Ctrl+C")
+      ->excludes(inspect_json);
+  inspect_command->add_option("--interval-ms", inspect.interval_ms, "Time between two --watch refreshes, in milliseconds")
+      ->check(whole_number(10, 3'600'000));
 
   cli::ListOptions list;
   auto* list_command = app.add_subcommand("list", "Every channel on this host: producer, incarnation, slots, consumers");

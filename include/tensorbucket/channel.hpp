@@ -332,6 +332,7 @@ struct ChannelInfo {
     std::uint64_t payload_capacity;
     std::optional<std::uint64_t> version;  // the update of its bucket, as the producer wrote it
     std::uint32_t bucket_index, bucket_count;
+    std::uint64_t published_ns;            // CLOCK_MONOTONIC when its bucket was published
   };
   struct Consumer {
     std::uint32_t record;
