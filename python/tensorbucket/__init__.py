@@ -78,22 +78,27 @@ def _error(kind: type[Error], message: str) -> Error:
     return error
 
 
+# The checks below run on every publish() and next(): an int or a float is let through by its
+# type alone, before the slower isinstance() against the numbers ABCs (numpy's scalars).
 def _integer(name: str, value: object, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-    if int(value) < low:
-        raise _error(InvalidArgument, f"{name} must be >= {low}, not {int(value)}")
-    if int(value) > high:
-        raise _error(InvalidArgument, f"{name} must be <= {high}, not {int(value)}")
-    return int(value)
+    if type(value) is not int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+        value = int(value)
+    if value < low:
+        raise _error(InvalidArgument, f"{name} must be >= {low}, not {value}")
+    if value > high:
+        raise _error(InvalidArgument, f"{name} must be <= {high}, not {value}")
+    return value
 
 
 def _seconds(name: str, value: object) -> Optional[float]:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be seconds (an int or a float) or None, not {type(value).__name__}")
-    return float(value)  # negative or NaN: InvalidArgument from the bindings
+    if type(value) is not float and type(value) is not int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be seconds (an int or a float) or None, not {type(value).__name__}")
+    return float(value)  # negative or NaN: InvalidArgument from _C
 
 
 def _text(name: str, value: object) -> str:
