@@ -218,10 +218,13 @@ void compare_expected(const Manifest& actual, const Manifest& expected, bool who
     }
     seen[*found] = true;
     const auto& want = expected.entries[*found];
-    if (want.dtype != entry.dtype) {
+    bool dtype = want.dtype != entry.dtype, shape = want.shape != entry.shape;  // one item a name
+    if (dtype && shape) {
+      mismatched.add(Quoted{entry.name}, " has dtype ", entry.dtype, ", expected ", want.dtype, ", and shape ",
+                     Dims{entry.shape}, ", expected ", Dims{want.shape});
+    } else if (dtype) {
       mismatched.add(Quoted{entry.name}, " has dtype ", entry.dtype, ", expected ", want.dtype);
-    }
-    if (want.shape != entry.shape) {
+    } else if (shape) {
       mismatched.add(Quoted{entry.name}, " has shape ", Dims{entry.shape}, ", expected ", Dims{want.shape});
     }
   }

@@ -175,14 +175,18 @@ void print_watch(const ChannelInfo& info, const std::optional<ChannelInfo>& befo
   // A new producer of the name starts counting again.
   bool same_producer = before && before->producer_incarnation == info.producer_incarnation &&
                        before->published <= info.published;
-  auto buckets = same_producer ? info.published - before->published : 0;
-  double bucket_bytes = info.newest_manifest ? static_cast<double>(summarize(*info.newest_manifest).bytes) : 0;
-  double rate = seconds > 0 ? static_cast<double>(buckets) / seconds : 0;
-  std::printf("%s %s: %llu buckets, %llu updates published; %.1f buckets/s, %.1f MiB/s; producer pid %d %s%s; "
-              "%zu consumers\n",
-              clock, info.channel.c_str(), u(info.published), u(info.updates), rate, rate * bucket_bytes / (1 << 20),
-              info.producer_pid, info.producer_alive ? "alive" : "gone", info.closed ? ", closed" : "",
-              info.consumers.size());
+  // Rates from the second refresh on: the first has nothing to compare with.
+  std::string rates;
+  if (same_producer && seconds > 0) {
+    double rate = static_cast<double>(info.published - before->published) / seconds;
+    double bucket_bytes = info.newest_manifest ? static_cast<double>(summarize(*info.newest_manifest).bytes) : 0;
+    char text[64];
+    std::snprintf(text, sizeof text, "; %.1f buckets/s, %.1f MiB/s", rate, rate * bucket_bytes / (1 << 20));
+    rates = text;
+  }
+  std::printf("%s %s: %llu buckets, %llu updates published%s; producer pid %d %s%s; %zu consumers\n", clock,
+              info.channel.c_str(), u(info.published), u(info.updates), rates.c_str(), info.producer_pid,
+              info.producer_alive ? "alive" : "gone", info.closed ? ", closed" : "", info.consumers.size());
   auto now_ns = monotonic_ns();
   for (const auto& consumer : info.consumers) {
     std::printf("  consumer record %u, pid %d%s, %s: %llu buckets and %llu updates behind, %s\n", consumer.record,
@@ -193,8 +197,8 @@ void print_watch(const ChannelInfo& info, const std::optional<ChannelInfo>& befo
   std::fflush(stdout);
 }
 
-// --watch: a refresh every interval until the channel is gone, or Ctrl+C (which ends it
-// normally: watching changes nothing).
+// --watch: a refresh every interval until the channel is gone (exit 0) or its producer died
+// (exit 4: its leftovers stay until removed), or Ctrl+C (exit 0: watching changes nothing).
 int watch(const InspectOptions& options) {
   install_stop_handlers();
   std::optional<ChannelInfo> before;
@@ -210,6 +214,11 @@ int watch(const InspectOptions& options) {
     }
     auto now = std::chrono::steady_clock::now();
     print_watch(*info, before, std::chrono::duration<double>(now - last).count());
+    if (!info->producer_alive) {
+      std::printf("producer pid %d of channel %s is gone; its leftovers stay until `tbucket rm %s` or its next "
+                  "producer\n", info->producer_pid, options.channel.c_str(), options.channel.c_str());
+      return kProducerGone;
+    }
     before = std::move(info);
     last = now;
     with_deadline(options.interval_ms, [](auto slice) {

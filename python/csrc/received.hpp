@@ -162,6 +162,7 @@ class PyUpdate {
     return bucket->get_item(name.cast<std::string_view>());
   }
   py::list keys() const {
+    received();
     py::list out;
     for (const auto& bucket : buckets_) {
       for (auto key : bucket.cast<PyBucket&>().keys()) out.append(key);
@@ -169,6 +170,7 @@ class PyUpdate {
     return out;
   }
   py::dict tensors() const {
+    received();
     py::dict out;
     for (const auto& bucket : buckets_) out.attr("update")(bucket.cast<PyBucket&>().tensors());
     return out;
@@ -189,6 +191,7 @@ class PyUpdate {
 
  private:
   PyBucket* bucket_with(const py::handle& name) const {
+    received();  // once released, it says so (not its first bucket)
     for (const auto& bucket : buckets_) {
       auto& held = bucket.cast<PyBucket&>();
       if (held.contains(name)) return &held;

@@ -6,9 +6,11 @@ loads them into its model with load_into().
 
 Every timeout is in seconds; None waits without limit. Ctrl+C interrupts any wait, and an
 interrupted publish() has published nothing. Threads sharing a Publisher or a Subscriber take
-turns. Every error is a tensorbucket.Error; its `code` names the rule that failed.
+turns. Every error the library raises is a tensorbucket.Error, whose `code` names the rule that
+failed; an argument of the wrong type raises TypeError.
 """
-import numbers
+import math
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Literal, Optional, Tuple, Union
@@ -78,13 +80,22 @@ def _error(kind: type[Error], message: str) -> Error:
     return error
 
 
+def _type_name(value: object) -> str:
+    """int, str; numpy.bool for what is not a builtin."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 # The checks below run on every publish() and next(): an int or a float is let through by its
-# type alone, before the slower isinstance() against the numbers ABCs (numpy's scalars).
+# type alone, before the slower general case (numpy scalars, 0-d tensors).
 def _integer(name: str, value: object, low: int, high: int) -> int:
     if type(value) is not int:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-        value = int(value)
+        if isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, not bool")
+        try:
+            value = operator.index(value)  # type: ignore[arg-type]  # what has __index__
+        except TypeError:
+            raise TypeError(f"{name} must be an int, not {_type_name(value)}") from None
     if value < low:
         raise _error(InvalidArgument, f"{name} must be >= {low}, not {value}")
     if value > high:
@@ -96,21 +107,26 @@ def _seconds(name: str, value: object) -> Optional[float]:
     if value is None:
         return None
     if type(value) is not float and type(value) is not int:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{name} must be seconds (an int or a float) or None, not {type(value).__name__}")
-    return float(value)  # negative or NaN: InvalidArgument from _C
+        if isinstance(value, bool) or not hasattr(type(value), "__float__"):
+            raise TypeError(f"{name} must be seconds (an int or a float) or None, not {_type_name(value)}")
+    try:
+        return float(value)  # type: ignore[arg-type]  # negative or NaN: InvalidArgument from _C
+    except OverflowError:
+        return math.inf  # an int past any float: no limit, as any timeout past ~32 years
 
 
 def _text(name: str, value: object) -> str:
     if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, not {type(value).__name__}")
+        raise TypeError(f"{name} must be a str, not {_type_name(value)}")
     return value
 
 
 def _flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, not {type(value).__name__}")
-    return value
+    if isinstance(value, bool):
+        return value
+    if _type_name(value) in ("numpy.bool", "numpy.bool_"):
+        return bool(value)  # numpy's, as the bindings took it
+    raise TypeError(f"{name} must be True or False, not {_type_name(value)}")
 
 
 class Publisher:
@@ -240,12 +256,18 @@ class Bucket(Mapping[str, torch.Tensor]):
     until release() (or the end of a `with` block) and until no view taken from it lives.
     """
 
-    __slots__ = ("_impl",)
+    __slots__ = ("_impl", "__weakref__")
 
     def __init__(self, impl: _C.Bucket) -> None:
         self._impl = impl
 
+    # Compared and hashed by identity, as a handle: a Mapping's == would compare the tensors.
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
     def __getitem__(self, name: str) -> torch.Tensor:
+        if type(name) is not str:
+            raise KeyError(name)
         return self._impl[name]
 
     def __len__(self) -> int:
@@ -332,13 +354,19 @@ class Update(Mapping[str, torch.Tensor]):
     release() (or the end of a `with` block) and until no view taken from it lives.
     """
 
-    __slots__ = ("_impl", "_buckets")
+    __slots__ = ("_impl", "_buckets", "__weakref__")
 
     def __init__(self, impl: _C.Update) -> None:
         self._impl = impl
         self._buckets = tuple(Bucket(bucket) for bucket in impl.buckets)
 
+    # Compared and hashed by identity, as a handle: a Mapping's == would compare the tensors.
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
     def __getitem__(self, name: str) -> torch.Tensor:
+        if type(name) is not str:
+            raise KeyError(name)
         return self._impl[name]
 
     def __len__(self) -> int:
@@ -472,26 +500,31 @@ class Subscriber:
                 expected: Optional[Tensors] = None) -> Iterator[Update]:
         """Iterate over whole updates until the producer is gone (with follow: without end).
 
-        Each update is released when the loop asks for the next (or ends); Timeout when none
-        came within timeout (None: no limit).
+        Each update is released when the loop asks for the next; the last one, and one the
+        loop breaks out with, stay held until released or dropped. Timeout when none came
+        within timeout (None: no limit).
         """
-        seconds = _seconds("timeout", timeout)
+        return self._updates(_seconds("timeout", timeout), expected)
+
+    def _updates(self, timeout: Optional[float], expected: Optional[Tensors]) -> Iterator[Update]:
+        previous: Optional[Update] = None
         while True:
+            if previous is not None:
+                try:
+                    previous.release()
+                except InvalidArgument:
+                    pass  # the loop's body released it already
+                previous = None
             try:
-                update = self.next_update(seconds, expected)
+                update = self.next_update(timeout, expected)
             except ProducerGone:
                 if self._follow:
                     continue  # the next call waits for the next producer
                 return
             if update is None:
-                raise _error(Timeout, f"no whole update arrived within {seconds} s")
-            try:
-                yield update
-            finally:
-                try:
-                    update.release()
-                except InvalidArgument:
-                    pass  # the loop's body released it already
+                raise _error(Timeout, f"no whole update arrived within {timeout} s")
+            previous = update
+            yield update
 
     @property
     def incarnation(self) -> int:

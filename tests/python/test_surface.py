@@ -200,3 +200,56 @@ def test_the_stub_of_the_bindings_names_what_they_have():
 def test_the_package_ships_its_types():
     assert (PACKAGE / "py.typed").exists() and (PACKAGE / "_C.pyi").exists()
     assert re.fullmatch(r"\d+\.\d+\.\d+", tensorbucket.__version__)
+
+
+def test_numbers_and_flags_of_numpy_and_torch_are_taken_as_the_bindings_took_them(channel):
+    import numpy
+    with tensorbucket.Publisher(channel, slots=numpy.int64(2), checksum=numpy.True_, min_consumers=torch.tensor(0)) \
+            as publisher:
+        publisher.publish({"w": torch.ones(2)}, version=torch.tensor(3), timeout=numpy.float32(5))
+        assert publisher.drain(timeout=10**400)  # past any float: no limit
+    with pytest.raises(TypeError, match="^checksum must be True or False, not int$"):
+        tensorbucket.Publisher(channel, checksum=1)
+    with pytest.raises(TypeError, match="^version must be an int, not float$"):
+        tensorbucket.Publisher(channel, min_consumers=0).publish({}, version=1.0)
+
+
+def test_buckets_and_updates_are_handles_compared_by_identity(channel):
+    import weakref
+    with tensorbucket.Publisher(channel, min_consumers=0) as publisher, \
+            tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+        publisher.publish({"w": torch.ones(2)})
+        publisher.publish({"w": torch.ones(2)})
+        first, second = subscriber.next(timeout=5), subscriber.next(timeout=5)
+        assert first == first and first != second and len({first, second}) == 2
+        assert weakref.ref(first)() is first
+        assert first.get(5) is None and first.get("w") is not None and 5 not in first
+        first.release()
+        second.release()
+
+
+def test_updates_releases_an_update_when_the_loop_asks_for_the_next_only(channel):
+    with tensorbucket.Publisher(channel, min_consumers=0, slots=4) as publisher, \
+            tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+        with pytest.raises(TypeError, match="^timeout must be seconds"):
+            subscriber.updates(timeout="5")  # at the call, not at the first update
+        for version in range(3):
+            publisher.publish({"w": torch.full((2,), float(version))}, version=version)
+        updates = subscriber.updates(timeout=5)
+        first = next(updates)
+        assert first["w"][0] == 0  # still held
+        for update in updates:
+            if update.version == 1:
+                break
+        assert update["w"][0] == 1  # the one the loop broke out with is still held
+        with pytest.raises(tensorbucket.InvalidArgument, match="^update was released$"):
+            first["w"]  # released when the loop asked for the next
+        update.release()
+
+
+def test_a_dtype_and_shape_mismatch_of_one_tensor_counts_once():
+    target = {"w": torch.zeros(4), "b": torch.zeros(2)}
+    with pytest.raises(tensorbucket.ManifestError) as mismatch:
+        tensorbucket.load_into(target, {"w": torch.zeros(2, dtype=torch.float64), "b": torch.zeros(2)})
+    assert str(mismatch.value) == ("ManifestMismatch: bucket does not match the expected manifest (1 mismatched): "
+                                   "'w' has dtype F64, expected F32, and shape [2], expected [4]")
