@@ -143,7 +143,7 @@ def type_check(*paths):
     env = {key: value for key, value in os.environ.items() if key != "LD_PRELOAD"}  # a sanitizer's runtime
     env["MYPYPATH"] = str(PACKAGE.parent)
     result = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
-                             "--no-incremental", "--no-error-summary", "--show-absolute-path", *map(str, paths)],
+                             "--no-incremental", f"--cache-dir={os.devnull}", "--no-error-summary", "--show-absolute-path", *map(str, paths)],
                             capture_output=True, text=True, env=env, cwd=ROOT)
     assert result.returncode in (0, 1), result.stderr
     return [line for line in result.stdout.splitlines() if ": error: " in line]
