@@ -13,7 +13,7 @@ import math
 import operator
 from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Literal, Optional, Tuple, Union
+from typing import Literal, Optional, Tuple, TypeVar, Union
 
 import torch
 
@@ -248,17 +248,16 @@ class Publisher:
         self.close()
 
 
-class Bucket(Mapping[str, torch.Tensor]):
-    """A verified bucket: a read-only mapping {name: tensor} of zero-copy views.
+_Held = TypeVar("_Held", bound="_Received")
 
-    Made by Subscriber.next(). Each view is made on first access, and is mapped read-only:
-    writing through one faults (SIGSEGV); clone() to modify. The bucket's slot stays leased
-    until release() (or the end of a `with` block) and until no view taken from it lives.
-    """
+
+class _Received(Mapping[str, torch.Tensor]):
+    """What Bucket and Update share: a read-only mapping {name: tensor} of zero-copy views,
+    each made on first access, and a handle on the slots they live in."""
 
     __slots__ = ("_impl", "__weakref__")
 
-    def __init__(self, impl: _C.Bucket) -> None:
+    def __init__(self, impl: Union[_C.Bucket, _C.Update]) -> None:
         self._impl = impl
 
     # Compared and hashed by identity, as a handle: a Mapping's == would compare the tensors.
@@ -289,18 +288,8 @@ class Bucket(Mapping[str, torch.Tensor]):
         return self._impl.version
 
     @property
-    def bucket_index(self) -> int:
-        """Its place in its update, from 0."""
-        return self._impl.bucket_index
-
-    @property
-    def bucket_count(self) -> int:
-        """How many buckets its update has."""
-        return self._impl.bucket_count
-
-    @property
     def sequence(self) -> int:
-        """Its number among the buckets its producer published, from 0."""
+        """The number of its (first) bucket among those its producer published, from 0."""
         return self._impl.sequence
 
     @property
@@ -310,27 +299,29 @@ class Bucket(Mapping[str, torch.Tensor]):
 
     @property
     def publish_start_ns(self) -> int:
-        """When the producer began publishing it, as time.monotonic_ns() counts."""
+        """When the producer began publishing it (an update: its first bucket), as
+        time.monotonic_ns() counts."""
         return self._impl.publish_start_ns
 
     @property
     def published_ns(self) -> int:
-        """When it became visible to consumers, as time.monotonic_ns() counts."""
+        """When it became visible to consumers (an update: its last bucket), as
+        time.monotonic_ns() counts."""
         return self._impl.published_ns
 
     @property
     def received_ns(self) -> int:
-        """When next() handed it over, as time.monotonic_ns() counts: received_ns -
-        publish_start_ns is the handoff's latency."""
+        """When it was handed over, as time.monotonic_ns() counts: received_ns -
+        publish_start_ns is its latency."""
         return self._impl.received_ns
 
     def release(self) -> None:
-        """Give the slot back, once no view taken from it lives; a second release() raises
-        InvalidArgument. A CUDA bucket is released after the work queued so far on torch's
-        current stream."""
+        """Give its slots back, once no view taken from it lives; a second release() raises
+        InvalidArgument. On a CUDA channel, after the work queued so far on torch's current
+        stream."""
         self._impl.release()
 
-    def __enter__(self) -> "Bucket":
+    def __enter__(self: _Held) -> _Held:
         return self
 
     def __exit__(
@@ -341,12 +332,34 @@ class Bucket(Mapping[str, torch.Tensor]):
     ) -> None:
         self.release()
 
+
+class Bucket(_Received):
+    """A verified bucket: a read-only mapping {name: tensor} of zero-copy views.
+
+    Made by Subscriber.next(). Each view is made on first access, and is mapped read-only:
+    writing through one faults (SIGSEGV); clone() to modify. The bucket's slot stays leased
+    until release() (or the end of a `with` block) and until no view taken from it lives.
+    """
+
+    __slots__ = ()
+    _impl: _C.Bucket
+
+    @property
+    def bucket_index(self) -> int:
+        """Its place in its update, from 0."""
+        return self._impl.bucket_index
+
+    @property
+    def bucket_count(self) -> int:
+        """How many buckets its update has."""
+        return self._impl.bucket_count
+
     def __repr__(self) -> str:
         return (f"<tensorbucket.Bucket version={self.version} bucket_index={self.bucket_index} "
                 f"bucket_count={self.bucket_count}, {len(self)} tensors>")
 
 
-class Update(Mapping[str, torch.Tensor]):
+class Update(_Received):
     """A whole update: every bucket of one version, and a read-only mapping {name: tensor}
     over all of them.
 
@@ -354,33 +367,12 @@ class Update(Mapping[str, torch.Tensor]):
     release() (or the end of a `with` block) and until no view taken from it lives.
     """
 
-    __slots__ = ("_impl", "_buckets", "__weakref__")
+    __slots__ = ("_buckets",)
+    _impl: _C.Update
 
     def __init__(self, impl: _C.Update) -> None:
-        self._impl = impl
+        super().__init__(impl)
         self._buckets = tuple(Bucket(bucket) for bucket in impl.buckets)
-
-    # Compared and hashed by identity, as a handle: a Mapping's == would compare the tensors.
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if type(name) is not str:
-            raise KeyError(name)
-        return self._impl[name]
-
-    def __len__(self) -> int:
-        return len(self._impl)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._impl.keys())
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._impl
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every view at once, as a dict {name: tensor}."""
-        return self._impl.tensors()
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:
@@ -391,54 +383,6 @@ class Update(Mapping[str, torch.Tensor]):
     def bucket_count(self) -> int:
         """How many buckets it has."""
         return len(self._buckets)
-
-    @property
-    def version(self) -> int:
-        """The version its buckets were published with."""
-        return self._impl.version
-
-    @property
-    def incarnation(self) -> int:
-        """The incarnation of the producer that published it."""
-        return self._impl.incarnation
-
-    @property
-    def sequence(self) -> int:
-        """The sequence of its first bucket."""
-        return self._impl.sequence
-
-    @property
-    def publish_start_ns(self) -> int:
-        """When the producer began publishing its first bucket, as time.monotonic_ns()
-        counts."""
-        return self._impl.publish_start_ns
-
-    @property
-    def published_ns(self) -> int:
-        """When its last bucket became visible to consumers, as time.monotonic_ns() counts."""
-        return self._impl.published_ns
-
-    @property
-    def received_ns(self) -> int:
-        """When it was handed over, as time.monotonic_ns() counts: received_ns -
-        publish_start_ns is the update's latency."""
-        return self._impl.received_ns
-
-    def release(self) -> None:
-        """Give every slot of the update back, once no view taken from it lives; a second
-        release() raises InvalidArgument."""
-        self._impl.release()
-
-    def __enter__(self) -> "Update":
-        return self
-
-    def __exit__(
-        self,
-        kind: Optional[type[BaseException]],
-        error: Optional[BaseException],
-        traceback: Optional[TracebackType],
-    ) -> None:
-        self.release()
 
     def __repr__(self) -> str:
         return f"<tensorbucket.Update version={self.version}, {self.bucket_count} buckets>"

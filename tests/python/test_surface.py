@@ -27,9 +27,15 @@ def channel(request):
 
 
 def public_members(cls):
-    for name, member in vars(cls).items():
-        if not name.startswith("_") or name in ("__init__", "__enter__", "__exit__"):
-            yield name, member
+    """Its members, and those it inherits from the package's own classes."""
+    seen = set()
+    for klass in cls.__mro__:
+        if klass.__module__ != "tensorbucket":
+            continue
+        for name, member in vars(klass).items():
+            if name not in seen and (not name.startswith("_") or name in ("__init__", "__enter__", "__exit__")):
+                seen.add(name)
+                yield name, member
 
 
 def test_every_class_method_and_property_has_a_docstring():
