@@ -35,6 +35,7 @@ __version__: str = _C.__version__
 for _kind in (ChannelError, ChecksumMismatch, DeviceError, Error, InvalidArgument, ManifestError, ProducerGone,
               Timeout):
     _kind.__module__ = __name__
+del _kind
 
 __all__ = [
     "Bucket",
@@ -139,7 +140,8 @@ class Publisher:
 
     channel: the channel's name, as Subscribers and `tbucket` name it.
     slots: buckets in flight at once, each as large as the largest published so far.
-    min_consumers: consumers that must attach before publish() goes on (0: none).
+    min_consumers: releases each bucket needs before its slot is reused: once the slots are
+        full, publish() waits for that many consumers (0: it never waits for one).
     max_consumers: consumers that may attach at once.
     checksum: hash every payload, and have consumers check it.
     mode: the segments' permissions (0o600: this user only).
