@@ -37,6 +37,11 @@ constexpr int kNameRounds = 16;
 constexpr auto kRemoverWait = std::chrono::seconds(10);
 // How many times a `latest` producer looks over its slots for one nobody leases before it waits.
 constexpr int kLatestLooks = 4;
+// Consumers asleep while a long copy is written are woken again when it is due to end within
+// this: time for their wake-up (tens of µs on a VM), and within the 200 µs they then spin
+// (kWriteSpin, subscriber.cpp). Waking them only at the commit put their whole wake-up after
+// it (bench/RESULTS.md, issue 21).
+constexpr auto kWakeLead = std::chrono::microseconds(120);
 
 using ipc::bucket_in;
 using Clock = std::chrono::steady_clock;
@@ -427,6 +432,11 @@ struct detail::PublisherState {
     ipc::futex_bump_and_wake(control->consumer_wake);
   }
 
+  // Wakes the consumers when a copy of `bytes` into the claimed slot is due to end soon.
+  detail::NearEnd wake_near_end(std::uint64_t bytes) {
+    return {bytes, kWakeLead, [this] { ipc::futex_bump_and_wake(control->consumer_wake); }};
+  }
+
   // Leaves the claimed slot empty: its old bucket was releasable, its new one never came.
   void abandon() noexcept {
     auto s = open_slot;
@@ -665,7 +675,8 @@ bool Publisher::publish(const BucketBuilder& bucket, std::chrono::milliseconds t
     if (state_->device) {
       state_->copy_to_device(bucket, *base);
     } else {
-      bucket.pack_into({*base, payload_bytes});
+      auto near_end = state_->wake_near_end(payload_bytes);
+      detail::pack(bucket, {*base, payload_bytes}, &near_end);
     }
   } catch (...) {
     state_->abandon();
@@ -768,13 +779,15 @@ Reservation::Reservation(detail::PublisherState* state, std::uint64_t payload_by
     : state_(state),
       payload_bytes_(payload_bytes),
       spans_(std::move(spans)),
-      streaming_(streaming) {}
+      streaming_(streaming),
+      near_end_(std::make_unique<detail::NearEnd>(state->wake_near_end(payload_bytes))) {}
 
 Reservation::Reservation(Reservation&& other) noexcept
     : state_(std::exchange(other.state_, nullptr)),
       payload_bytes_(other.payload_bytes_),
       spans_(std::move(other.spans_)),
-      streaming_(other.streaming_) {}
+      streaming_(other.streaming_),
+      near_end_(std::move(other.near_end_)) {}
 
 void Reservation::write(std::size_t index, const void* data) {
   if (state_ == nullptr) fail(ErrorCode::InvalidArgument, "reservation was already committed");
@@ -793,6 +806,7 @@ void Reservation::write(std::size_t index, const void* data) {
   }
   detail::copy_bytes(spans_[index].data(), static_cast<const std::byte*>(data),
                      spans_[index].size(), streaming_);
+  near_end_->copied(spans_[index].size());
 }
 
 void Reservation::write_all(std::span<const void* const> sources) {

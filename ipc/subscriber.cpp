@@ -33,11 +33,12 @@ constexpr auto kWaitSlice = std::chrono::milliseconds(10);
 // about to publish, at the price of that much CPU per empty wait.
 constexpr auto kSpin = std::chrono::microseconds(50);
 // While the producer writes the awaited slot (its generation odd), a consumer spins up to this
-// long before it sleeps again: the producer wakes consumers when it claims the slot, so their
-// wake-up, tens of µs on a VM, overlaps the writing of a small bucket (1000 x 1 KiB: ~60 µs)
-// instead of following it. A larger bucket takes longer to write than this, and its consumers
-// sleep until the commit: spinning consumers that outnumber the free cores would slow the
-// producer's writing down.
+// long after each wake-up before it sleeps again: the producer wakes consumers when it claims
+// the slot, so their wake-up, tens of µs on a VM, overlaps the writing of a small bucket
+// (1000 x 1 KiB: ~60 µs) instead of following it. A larger bucket takes longer to write than
+// this: its consumers sleep, and the producer wakes them again when its copy (publish(), or
+// the write() calls) is due to end within kWakeLead (publisher.cpp). Spinning all along would
+// take the cores the producer writes with, when consumers outnumber the free ones.
 constexpr auto kWriteSpin = std::chrono::microseconds(200);
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(5);
 // Longest wait for a producer's probe of a slot we lease to end (settled_generation()).
@@ -594,10 +595,16 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
   auto* control = state.control;
   auto start = Clock::now();
   auto deadline = ipc::deadline_after(timeout);
-  std::optional<Clock::time_point> writing_since;  // when we first saw a slot being written
+  constexpr auto kNotWriting = Clock::time_point::max();
+  auto writing_since = kNotWriting;  // since we saw a slot being written, after the last wake
+  auto last_wake = ipc::wake_count(control->consumer_wake);
   for (;;) {
     state.refuse_if_control_damaged();
     auto wake = ipc::wake_count(control->consumer_wake);
+    // A wake (a claim, or a long copy near its end): spin again while a slot is written. Not
+    // after a sleep that merely ran out: a producer that died writing would keep us spinning.
+    if (wake != last_wake) writing_since = kNotWriting;
+    last_wake = wake;
     if (state.policy == ipc::SlotPolicy::kLatest && state.position != Position::InUpdate) {
       state.skip_to_newest_update();
     }
@@ -685,8 +692,8 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
     for (std::uint32_t s = 0; s < state.slot_count && !writing; ++s) {
       writing = ipc::being_written(ipc::atomic(state.generation(s)).load(std::memory_order_relaxed));
     }
-    if (writing && !writing_since) writing_since = now;
-    bool spin = now - start < kSpin || (writing_since && now - *writing_since < kWriteSpin);
+    if (writing && writing_since == kNotWriting) writing_since = now;
+    bool spin = now - start < kSpin || (writing_since != kNotWriting && now - writing_since < kWriteSpin);
     if (spin && now < deadline) {
       ipc::cpu_relax();
       continue;

@@ -5,6 +5,10 @@
 #endif
 
 #include <cstring>
+#include <limits>
+#include <utility>
+
+#include "text.hpp"
 
 namespace tensorbucket::detail {
 
@@ -40,6 +44,43 @@ void finish_streaming() noexcept {
 #if defined(__SSE2__)
   _mm_sfence();
 #endif
+}
+
+NearEnd::NearEnd(std::uint64_t total, std::chrono::nanoseconds lead, std::function<void()> wake)
+    : total_(total), lead_(lead), wake_(std::move(wake)), start_(std::chrono::steady_clock::now()) {}
+
+void NearEnd::look() {
+  next_look_ = copied_ + kPaceBytes;
+  auto elapsed = std::chrono::steady_clock::now() - start_;
+  auto left = static_cast<double>(total_ - std::min(copied_, total_)) / static_cast<double>(copied_);
+  if (left * static_cast<double>(elapsed.count()) <= static_cast<double>(std::chrono::nanoseconds(lead_).count())) {
+    next_look_ = std::numeric_limits<std::uint64_t>::max();
+    wake_();
+  }
+}
+
+void pack(const BucketBuilder& bucket, std::span<std::byte> payload, NearEnd* near_end) {
+  const auto& entries = bucket.manifest().entries;
+  auto sources = bucket.entry_sources();
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    if (sources[i] == nullptr && entries[i].byte_length != 0) {
+      text::fail(ErrorCode::InvalidArgument, "entry ", text::Quoted{entries[i].name},
+                 " was declared for in-place writing; write it through entry_spans() instead");
+    }
+  }
+  auto payload_bytes = bucket.payload_bytes();
+  // Streaming needs 16-byte aligned destinations: entries are 256-aligned from the payload.
+  bool streaming = streams(payload.first(payload_bytes));
+  std::uint64_t written = 0;  // everything before this is packed or zeroed
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const auto& entry = entries[i];
+    if (entry.byte_offset > written) std::memset(payload.data() + written, 0, entry.byte_offset - written);
+    if (sources[i] != nullptr) copy_bytes(payload.data() + entry.byte_offset, sources[i], entry.byte_length, streaming);
+    if (near_end != nullptr) near_end->copied(entry.byte_offset + entry.byte_length - written);
+    written = entry.byte_offset + entry.byte_length;
+  }
+  std::memset(payload.data() + written, 0, payload_bytes - written);
+  if (streaming) finish_streaming();
 }
 
 }  // namespace tensorbucket::detail

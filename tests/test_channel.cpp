@@ -161,7 +161,7 @@ TEST_F(Channel, InPlaceReservationPublishesWhatWasWritten) {
   EXPECT_EQ(consumer.wait(), 0);
 }
 
-// write() copies as packing does, streaming past 16 MiB: both sizes arrive intact.
+// write() copies as packing does, streaming past 4 MiB: both sizes arrive intact.
 TEST_F(Channel, ReservationWriteCopiesEachEntry) {
   auto publisher = Publisher::create(channel);
   auto subscriber = Subscriber::attach(channel, 1s);

@@ -61,6 +61,7 @@
 namespace tensorbucket {
 namespace detail {
 struct PublisherState;
+class NearEnd;
 struct SubscriberState;
 struct Lease;
 }  // namespace detail
@@ -168,7 +169,9 @@ class Reservation {
 
   // Copies entry `index`'s bytes (its byte_length) from `data` into its span, as packing does:
   // with non-temporal stores when the payload is large; on a device, a copy queued on the
-  // reservation's stream. InvalidArgument past the last entry or after commit().
+  // reservation's stream. InvalidArgument past the last entry or after commit(). Near the end
+  // of a long writing, as its pace tells, it wakes the consumers, so that they are awake for
+  // the commit (docs/channel.md, "Waiting"); writing through entry_spans() does not.
   void write(std::size_t index, const void* data);
 
   // write(i, sources[i]) for every entry whose source is not null, on a device in one batched
@@ -187,6 +190,7 @@ class Reservation {
   std::uint64_t payload_bytes_;
   std::vector<std::span<std::byte>> spans_;
   bool streaming_;  // write() streams; commit() then fences
+  std::unique_ptr<detail::NearEnd> near_end_;  // wakes the consumers when write() is nearly done
 };
 
 // A received, verified bucket. Holds its lease: the slot is not reused while this object (or
