@@ -100,6 +100,21 @@ BucketBuilder& BucketBuilder::declare(std::string name, DType dtype, Shape shape
   return *this;
 }
 
+BucketBuilder& BucketBuilder::set_data(std::string_view name, const void* data) {
+  auto entry = entry_index_.find(std::string(name));
+  if (entry == entry_index_.end()) fail(ErrorCode::InvalidArgument, "the builder has no entry ", Quoted{name});
+  if (sources_[entry->second] == nullptr) {
+    fail(ErrorCode::InvalidArgument, "entry ", Quoted{name}, " was declared for in-place writing: it has no data to move");
+  }
+  const auto& added = manifest_.entries[entry->second];
+  if (data == nullptr && added.byte_length != 0) {
+    fail(ErrorCode::Unmaterialized, "entry ", Quoted{name}, " of ", added.dtype, ' ', Dims{added.shape},
+         " was given no data (an unmaterialized tensor?)");
+  }
+  sources_[entry->second] = static_cast<const std::byte*>(data);
+  return *this;
+}
+
 BucketBuilder& BucketBuilder::group(std::string name, std::vector<std::string> members) {
   detail::check_name(name, manifest_.groups.size(), "group");
   for (const auto& group : manifest_.groups) {
@@ -155,26 +170,7 @@ void BucketBuilder::pack_into(std::span<std::byte> payload) const {
     fail(ErrorCode::InvalidArgument, "payload buffer has ", payload.size(), " bytes; the bucket needs ",
          payload_bytes_);
   }
-  for (std::size_t i = 0; i < sources_.size(); ++i) {
-    if (sources_[i] == nullptr && manifest_.entries[i].byte_length != 0) {
-      fail(ErrorCode::InvalidArgument, "entry ", Quoted{manifest_.entries[i].name},
-           " was declared for in-place writing; write it through entry_spans() instead");
-    }
-  }
-  // Streaming needs 16-byte aligned destinations: entries are 256-aligned from the payload.
-  bool streaming = detail::streams(payload.first(payload_bytes_));
-  std::uint64_t written = 0;  // everything before this is packed or zeroed
-  for (std::size_t i = 0; i < manifest_.entries.size(); ++i) {
-    const auto& entry = manifest_.entries[i];
-    std::memset(payload.data() + written, 0, entry.byte_offset - written);
-    if (sources_[i] != nullptr) {
-      detail::copy_bytes(payload.data() + entry.byte_offset, sources_[i], entry.byte_length,
-                         streaming);
-    }
-    written = entry.byte_offset + entry.byte_length;
-  }
-  std::memset(payload.data() + written, 0, payload_bytes_ - written);
-  if (streaming) detail::finish_streaming();
+  detail::pack(*this, payload);
 }
 
 std::vector<std::span<std::byte>> BucketBuilder::entry_spans(std::span<std::byte> payload) const {

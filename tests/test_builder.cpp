@@ -44,7 +44,7 @@ TEST(Builder, PacksBytesAndZeroesPadding) {
 }
 
 TEST(Builder, LargeBucketsPackByteForByte) {
-  // Past 16 MiB the builder copies with streaming stores; odd sizes exercise the tails.
+  // Past 4 MiB the builder copies with streaming stores; odd sizes exercise the tails.
   std::mt19937_64 rng(9);
   std::vector<std::vector<std::uint8_t>> sources;
   BucketBuilder builder;
@@ -190,6 +190,27 @@ TEST(Builder, Seed002RefusesUnmaterializedEntry) {
   EXPECT_NE(message.find("'layers.0.weight'"), std::string::npos) << message;
   EXPECT_NE(message.find("has no data"), std::string::npos) << message;
   EXPECT_TRUE(builder.manifest().entries.empty());
+}
+
+// A kept builder follows a tensor that moved, without a new layout or a new encoding.
+TEST(Builder, SetDataMovesAnEntryAndKeepsItsEncoding) {
+  std::array<std::uint32_t, 4> first{1, 2, 3, 4}, moved{5, 6, 7, 8};
+  std::array<std::uint8_t, 2> in_place{};
+  BucketBuilder builder;
+  builder.add("w", DType::U32, {4}, first.data()).declare("later", DType::U8, {2});
+  static_cast<void>(builder.encoded_manifest());
+  auto encoding = builder.encoding_id();
+  builder.set_data("w", moved.data());
+  EXPECT_EQ(builder.encoding_id(), encoding);
+  ASSERT_EQ(builder.entry_sources()[0], reinterpret_cast<const std::byte*>(moved.data()));
+
+  auto message = expect_error(ErrorCode::InvalidArgument, [&] { builder.set_data("v", moved.data()); });
+  EXPECT_NE(message.find("no entry 'v'"), std::string::npos) << message;
+  message = expect_error(ErrorCode::InvalidArgument, [&] { builder.set_data("later", in_place.data()); });
+  EXPECT_NE(message.find("declared for in-place writing"), std::string::npos) << message;
+  message = expect_error(ErrorCode::Unmaterialized, [&] { builder.set_data("w", nullptr); });
+  EXPECT_NE(message.find("'w' of U32 [4]"), std::string::npos) << message;
+  EXPECT_EQ(builder.entry_sources()[0], reinterpret_cast<const std::byte*>(moved.data()));  // refused: unchanged
 }
 
 TEST(Builder, ReportsBadShapeBeforeMissingData) {

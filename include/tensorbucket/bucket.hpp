@@ -90,6 +90,12 @@ class BucketBuilder {
   // except that it has no data yet.
   BucketBuilder& declare(std::string name, DType dtype, Shape shape);
 
+  // Points entry `name`, made by add(), at new bytes of the same dtype and shape (a tensor the
+  // trainer reallocated). The layout does not change, nor its kept encoding: a builder made
+  // once and republished every step stays the fast path (bench/RESULTS.md, issue 21).
+  // InvalidArgument for a name no add() made, Unmaterialized for null when the entry has bytes.
+  BucketBuilder& set_data(std::string_view name, const void* data);
+
   // Declares that the named entries must arrive together. Members may be added before or
   // after; manifest() throws IncompleteGroup while one is missing.
   BucketBuilder& group(std::string name, std::vector<std::string> members);
