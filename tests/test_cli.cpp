@@ -323,6 +323,22 @@ TEST_F(Cli, NumbersOutsideTheirRangeExitTwo) {
   expect_usage_error({"consume", "--channel", channel, "--buckets", "1e3"}, "'1e3'");
   expect_usage_error({"demo", "--layers", "0"}, "from 1 to 256");
   expect_usage_error({"bench", "--repeats", "-50"}, "'-50'");
+  expect_usage_error({"bench", "--tensor-bytes", "1048584"}, "1048576");
+  expect_usage_error({"bench", "--tensor-bytes", "1000", "--device", "cuda:0"}, "excludes");
+}
+
+// One size, as the peer sweep runs it: the copy and in-place figures, each saying what it times.
+TEST_F(Cli, BenchAtOneSizeGivesTheCopyAndInPlaceFigures) {
+  Tbucket bench({"bench", "--json", "--tensor-bytes", "64", "--repeats", "5"});
+  ASSERT_EQ(bench.finish(), 0) << bench.err();
+  auto out = bench.out();
+  EXPECT_NE(out.find("{\"name\":\"copy 1000 x 64 B\""), std::string::npos) << out;
+  EXPECT_NE(out.find("{\"name\":\"in-place 1000 x 64 B\""), std::string::npos) << out;
+  EXPECT_NE(out.find("\"baseline\":\"memcpy of the same"), std::string::npos) << out;
+  EXPECT_NE(out.find("\"measures\":\"commit() -> the consumer holds verified views; every entry was written"),
+            std::string::npos) << out;
+  EXPECT_EQ(out.find("\"ok\":false"), std::string::npos) << out;
+  EXPECT_EQ(std::count(out.begin(), out.end(), '{'), 2) << out;
 }
 
 // Before, a bucket past the format's payload limit failed as a bad bucket (exit 5).

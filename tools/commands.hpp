@@ -64,6 +64,7 @@ struct BenchOptions {
   bool json = false;
   std::uint32_t repeats = 50;
   std::string device = "host";  // cuda:N: the device channel's figures instead
+  std::uint64_t tensor_bytes = 0;  // not 0: only the copy and in-place figures, 1000 tensors of this size
 };
 
 int run_produce(const ProduceOptions& options);

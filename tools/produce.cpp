@@ -1,5 +1,6 @@
 #include <chrono>
 #include <csignal>
+#include <optional>
 #include <cstdio>
 #include <thread>
 
@@ -50,6 +51,7 @@ int run_produce(const ProduceOptions& options) {
   bool on_device = !publisher.location().on_host();
   bool in_place = options.in_place || on_device;
   std::vector<std::byte> staging;
+  std::optional<SourceBucket> bucket;  // the copy path's: one builder, refilled for each bucket
   if (!in_place) {
     // The copy path makes a private copy of each bucket first. Reserving the first slot
     // (then dropping it: nothing is published) sizes its segment, so that a bucket shared
@@ -83,10 +85,14 @@ int run_produce(const ProduceOptions& options) {
         bytes += layout.payload_bytes();
       }
     } else {
-      auto bucket = make_bucket(workload, i);
+      if (bucket) {
+        refill_bucket(*bucket, workload, i);
+      } else {
+        bucket.emplace(make_bucket(workload, i));
+      }
       published = with_deadline(options.timeout_ms,
-                                [&](auto slice) { return publisher.publish(bucket.builder, slice); });
-      bytes += bucket.builder.payload_bytes();
+                                [&](auto slice) { return publisher.publish(bucket->builder, slice); });
+      bytes += bucket->builder.payload_bytes();
     }
     progress.add(published ? 1 : 0, bytes - bytes_before);
     if (stop_signal() != 0 || !published) progress.finish();

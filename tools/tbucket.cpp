@@ -147,9 +147,13 @@ int main(int argc, char** argv) {
   auto* bench_command = app.add_subcommand("bench", "Cross-process handoff figures beside their baselines");
   bench_command->add_flag("--json", bench.json, "One JSON array");
   bench_command->add_option("--repeats", bench.repeats, "Handoffs per small figure")->check(whole_number(5, 100000));
+  auto* bench_size = bench_command->add_option("--tensor-bytes", bench.tensor_bytes,
+                            "Only the copy and in-place figures, of 1000 tensors of this many bytes, on the host")
+      ->check(whole_number(8, 1u << 20, 8));
   bench_command->add_option("--device", bench.device,
                             "host, or cuda:N for a device channel's figures on CUDA device N")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->excludes(bench_size);
 
   // CLI11 answers an unknown command with "A subcommand is required".
   auto named = [&](const CLI::App* command) { return command->get_name() == argv[1]; };

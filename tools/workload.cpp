@@ -54,6 +54,11 @@ SourceBucket make_bucket(const Workload& workload, std::uint64_t index) {
   return bucket;
 }
 
+void refill_bucket(SourceBucket& bucket, const Workload& workload, std::uint64_t index) {
+  set_bucket_fields(bucket.builder, workload, index);
+  for (std::uint32_t t = 0; t < workload.tensors; ++t) fill_tensor(bucket.tensors[t], workload, index, t);
+}
+
 BucketBuilder make_layout(const Workload& workload, std::uint64_t index) {
   BucketBuilder builder;
   set_bucket_fields(builder, workload, index);

@@ -34,6 +34,9 @@ struct SourceBucket {
   BucketBuilder builder;
 };
 SourceBucket make_bucket(const Workload& workload, std::uint64_t index);
+// Turns bucket `bucket` made by make_bucket() into bucket `index`: new bytes and identity, the
+// same builder, so that a producer republishes one kept layout (the fast path).
+void refill_bucket(SourceBucket& bucket, const Workload& workload, std::uint64_t index);
 
 // The same layout with every entry declare()d, for the in-place path.
 BucketBuilder make_layout(const Workload& workload, std::uint64_t index);
