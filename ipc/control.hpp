@@ -149,7 +149,7 @@ struct ControlBlock {
   ProcessLabel producer;
   std::uint64_t published;      // buckets published so far
   std::uint64_t claims;         // attaches so far: the next one's token is claims + 1
-  WaitWord consumer_wake;       // bumped on claim, publish and close
+  WaitWord consumer_wake;       // bumped on claim, near the end of a long copy, publish and close
   WaitWord producer_wake;       // bumped on release, attach and detach
   std::uint16_t payload_home;   // a PayloadHome
   std::uint16_t policy;         // a SlotPolicy

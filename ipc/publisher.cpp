@@ -432,8 +432,10 @@ struct detail::PublisherState {
     ipc::futex_bump_and_wake(control->consumer_wake);
   }
 
-  // Wakes the consumers when a copy of `bytes` into the claimed slot is due to end soon.
+  // Wakes the consumers when a copy of `bytes` into the claimed slot is due to end soon; not
+  // when the payload is hashed after the copy (finish()), which takes longer than they spin.
   detail::NearEnd wake_near_end(std::uint64_t bytes) {
+    if (options.payload_checksum) return {bytes, kWakeLead, nullptr};
     return {bytes, kWakeLead, [this] { ipc::futex_bump_and_wake(control->consumer_wake); }};
   }
 
@@ -675,7 +677,9 @@ bool Publisher::publish(const BucketBuilder& bucket, std::chrono::milliseconds t
     if (state_->device) {
       state_->copy_to_device(bucket, *base);
     } else {
-      auto near_end = state_->wake_near_end(payload_bytes);
+      std::uint64_t entry_bytes = 0;
+      for (const auto& entry : bucket.manifest().entries) entry_bytes += entry.byte_length;
+      auto near_end = state_->wake_near_end(entry_bytes);
       detail::pack(bucket, {*base, payload_bytes}, &near_end);
     }
   } catch (...) {
@@ -693,21 +697,27 @@ std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
   auto base = state_->begin(payload_bytes, layout.manifest(), manifest_bytes, layout.encoding_id(), timeout, stream);
   if (!base) return std::nullopt;
   std::span<std::byte> payload{*base, payload_bytes};
-  if (state_->device) {  // the padding is zeroed already (begin())
+  // Until the Reservation exists, whatever throws (an allocation) must leave the slot empty.
+  try {
+    if (state_->device) {  // the padding is zeroed already (begin())
+      state_->reservation_open = true;
+      return Reservation(state_.get(), payload_bytes, layout.entry_spans(payload), false);
+    }
+    // Zero the padding between entries, so no bytes of an older bucket travel in it. Only the
+    // padding: zeroing a whole 256 MiB payload here evicted the caches the handoff then needed.
+    std::uint64_t written = 0;
+    for (const auto& entry : layout.manifest().entries) {
+      if (entry.byte_offset > written) std::memset(payload.data() + written, 0, entry.byte_offset - written);
+      written = entry.byte_offset + entry.byte_length;
+    }
+    std::memset(payload.data() + written, 0, payload_bytes - written);
     state_->reservation_open = true;
-    return Reservation(state_.get(), payload_bytes, layout.entry_spans(payload), false);
+    return Reservation(state_.get(), payload_bytes, layout.entry_spans(payload), detail::streams(payload));
+  } catch (...) {
+    state_->reservation_open = false;
+    state_->abandon();
+    throw;
   }
-  // Zero the padding between entries, so no bytes of an older bucket travel in it. Only the
-  // padding: zeroing a whole 256 MiB payload here evicted the caches the handoff then needed.
-  std::uint64_t written = 0;
-  for (const auto& entry : layout.manifest().entries) {
-    if (entry.byte_offset > written) std::memset(payload.data() + written, 0, entry.byte_offset - written);
-    written = entry.byte_offset + entry.byte_length;
-  }
-  std::memset(payload.data() + written, 0, payload_bytes - written);
-  state_->reservation_open = true;
-  return Reservation(state_.get(), payload_bytes, layout.entry_spans(payload),
-                     detail::streams(payload));
 }
 
 bool Publisher::drain(std::chrono::milliseconds timeout) {
@@ -779,8 +789,11 @@ Reservation::Reservation(detail::PublisherState* state, std::uint64_t payload_by
     : state_(state),
       payload_bytes_(payload_bytes),
       spans_(std::move(spans)),
-      streaming_(streaming),
-      near_end_(std::make_unique<detail::NearEnd>(state->wake_near_end(payload_bytes))) {}
+      streaming_(streaming) {
+  std::uint64_t entry_bytes = 0;
+  for (const auto& span : spans_) entry_bytes += span.size();
+  near_end_ = std::make_unique<detail::NearEnd>(state->wake_near_end(entry_bytes));
+}
 
 Reservation::Reservation(Reservation&& other) noexcept
     : state_(std::exchange(other.state_, nullptr)),
@@ -804,9 +817,8 @@ void Reservation::write(std::size_t index, const void* data) {
     ipc::check_device(ipc::device_api().copy(&copy, 1, state_->stream), "cuMemcpyAsync");
     return;
   }
-  detail::copy_bytes(spans_[index].data(), static_cast<const std::byte*>(data),
-                     spans_[index].size(), streaming_);
-  near_end_->copied(spans_[index].size());
+  detail::copy_paced(spans_[index].data(), static_cast<const std::byte*>(data), spans_[index].size(), streaming_,
+                     *near_end_);
 }
 
 void Reservation::write_all(std::span<const void* const> sources) {

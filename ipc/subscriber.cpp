@@ -40,6 +40,10 @@ constexpr auto kSpin = std::chrono::microseconds(50);
 // the write() calls) is due to end within kWakeLead (publisher.cpp). Spinning all along would
 // take the cores the producer writes with, when consumers outnumber the free ones.
 constexpr auto kWriteSpin = std::chrono::microseconds(200);
+// How many wakes may restart that spin in one call: a claim and a near-end wake come per
+// bucket. A peer that bumps the word without end (every process that maps the control block
+// can) must not keep a consumer spinning past its liveness and record checks.
+constexpr int kWriteSpinRestarts = 4;
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(5);
 // Longest wait for a producer's probe of a slot we lease to end (settled_generation()).
 constexpr auto kProbeSettle = std::chrono::milliseconds(1);
@@ -598,12 +602,16 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
   constexpr auto kNotWriting = Clock::time_point::max();
   auto writing_since = kNotWriting;  // since we saw a slot being written, after the last wake
   auto last_wake = ipc::wake_count(control->consumer_wake);
+  int spin_restarts = 0;
   for (;;) {
     state.refuse_if_control_damaged();
     auto wake = ipc::wake_count(control->consumer_wake);
     // A wake (a claim, or a long copy near its end): spin again while a slot is written. Not
     // after a sleep that merely ran out: a producer that died writing would keep us spinning.
-    if (wake != last_wake) writing_since = kNotWriting;
+    if (wake != last_wake && writing_since != kNotWriting && spin_restarts < kWriteSpinRestarts) {
+      writing_since = kNotWriting;
+      ++spin_restarts;
+    }
     last_wake = wake;
     if (state.policy == ipc::SlotPolicy::kLatest && state.position != Position::InUpdate) {
       state.skip_to_newest_update();

@@ -103,10 +103,11 @@ BucketBuilder& BucketBuilder::declare(std::string name, DType dtype, Shape shape
 BucketBuilder& BucketBuilder::set_data(std::string_view name, const void* data) {
   auto entry = entry_index_.find(std::string(name));
   if (entry == entry_index_.end()) fail(ErrorCode::InvalidArgument, "the builder has no entry ", Quoted{name});
-  if (sources_[entry->second] == nullptr) {
+  const auto& added = manifest_.entries[entry->second];
+  // An empty entry has no bytes to point at: it takes any address, null included.
+  if (sources_[entry->second] == nullptr && added.byte_length != 0) {
     fail(ErrorCode::InvalidArgument, "entry ", Quoted{name}, " was declared for in-place writing: it has no data to move");
   }
-  const auto& added = manifest_.entries[entry->second];
   if (data == nullptr && added.byte_length != 0) {
     fail(ErrorCode::Unmaterialized, "entry ", Quoted{name}, " of ", added.dtype, ' ', Dims{added.shape},
          " was given no data (an unmaterialized tensor?)");

@@ -47,7 +47,10 @@ void finish_streaming() noexcept {
 }
 
 NearEnd::NearEnd(std::uint64_t total, std::chrono::nanoseconds lead, std::function<void()> wake)
-    : total_(total), lead_(lead), wake_(std::move(wake)), start_(std::chrono::steady_clock::now()) {}
+    : total_(total),
+      lead_(lead),
+      wake_(std::move(wake)),
+      next_look_(wake_ ? kPaceBytes : std::numeric_limits<std::uint64_t>::max()) {}
 
 void NearEnd::look() {
   next_look_ = copied_ + kPaceBytes;
@@ -56,6 +59,17 @@ void NearEnd::look() {
   if (left * static_cast<double>(elapsed.count()) <= static_cast<double>(std::chrono::nanoseconds(lead_).count())) {
     next_look_ = std::numeric_limits<std::uint64_t>::max();
     wake_();
+  }
+}
+
+void copy_paced(std::byte* destination, const std::byte* source, std::size_t bytes, bool streaming,
+                NearEnd& near_end) noexcept {
+  near_end.starting();
+  for (std::size_t done = 0; done < bytes;) {
+    auto piece = std::min<std::size_t>(bytes - done, NearEnd::kPaceBytes);
+    copy_bytes(destination + done, source + done, piece, streaming);
+    near_end.copied(piece);
+    done += piece;
   }
 }
 
@@ -75,8 +89,11 @@ void pack(const BucketBuilder& bucket, std::span<std::byte> payload, NearEnd* ne
   for (std::size_t i = 0; i < entries.size(); ++i) {
     const auto& entry = entries[i];
     if (entry.byte_offset > written) std::memset(payload.data() + written, 0, entry.byte_offset - written);
-    if (sources[i] != nullptr) copy_bytes(payload.data() + entry.byte_offset, sources[i], entry.byte_length, streaming);
-    if (near_end != nullptr) near_end->copied(entry.byte_offset + entry.byte_length - written);
+    if (sources[i] != nullptr && near_end != nullptr) {
+      copy_paced(payload.data() + entry.byte_offset, sources[i], entry.byte_length, streaming, *near_end);
+    } else if (sources[i] != nullptr) {
+      copy_bytes(payload.data() + entry.byte_offset, sources[i], entry.byte_length, streaming);
+    }
     written = entry.byte_offset + entry.byte_length;
   }
   std::memset(payload.data() + written, 0, payload_bytes - written);

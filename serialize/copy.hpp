@@ -32,8 +32,9 @@ void copy_bytes(std::byte* destination, const std::byte* source, std::size_t byt
 void finish_streaming() noexcept;
 
 // Calls `wake` once, when a copy of `total` bytes is due to end within `lead`, judged from its
-// pace so far (the clock is read every kPaceBytes). A channel wakes its consumers then, so that
-// they spin through the end of a long copy instead of waking after it.
+// pace since the first piece (the clock is read every kPaceBytes: copy_paced() cuts larger
+// pieces). A channel wakes its consumers then, so that they spin through the end of a long
+// copy instead of waking after it. Without `wake` it only counts.
 class NearEnd {
  public:
   static constexpr std::uint64_t kPaceBytes = 256u << 10;
@@ -41,6 +42,9 @@ class NearEnd {
   void copied(std::uint64_t bytes) {  // after each piece, in any order
     copied_ += bytes;
     if (copied_ >= next_look_) look();
+  }
+  void starting() {  // before each piece: the pace counts from the first
+    if (copied_ == 0) start_ = std::chrono::steady_clock::now();
   }
 
  private:
@@ -51,11 +55,15 @@ class NearEnd {
   std::function<void()> wake_;
   std::chrono::steady_clock::time_point start_;
   std::uint64_t copied_ = 0;
-  std::uint64_t next_look_ = kPaceBytes;
+  std::uint64_t next_look_;
 };
 
+// copy_bytes(), in kPaceBytes pieces told to `near_end`, so that one large tensor is paced too.
+void copy_paced(std::byte* destination, const std::byte* source, std::size_t bytes, bool streaming,
+                NearEnd& near_end) noexcept;
+
 // BucketBuilder::pack_into() into a payload the caller sized: copies every entry, zeroes the
-// padding, and tells `near_end` (when given) what it copied.
+// padding, and tells `near_end` (when given; its total is the entries' bytes) what it copied.
 void pack(const BucketBuilder& bucket, std::span<std::byte> payload, NearEnd* near_end = nullptr);
 
 }  // namespace tensorbucket::detail

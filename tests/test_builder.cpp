@@ -7,6 +7,7 @@
 #include <numeric>
 #include <random>
 
+#include "serialize/copy.hpp"
 #include "support.hpp"
 
 namespace tensorbucket {
@@ -192,6 +193,32 @@ TEST(Builder, Seed002RefusesUnmaterializedEntry) {
   EXPECT_TRUE(builder.manifest().entries.empty());
 }
 
+// The wake near the end of a long copy: once, before the last bytes when the copy is due to end
+// within the lead (here any lead: an hour), at the last piece when the lead is nothing, and
+// inside one large tensor, which is copied in paced pieces.
+TEST(Copy, NearEndWakesOnceWithinItsLead) {
+  constexpr std::size_t kBytes = 8u << 20;
+  std::vector<std::byte> from(kBytes, std::byte{1}), to(kBytes);
+  for (auto [lead, before_end] : {std::pair{std::chrono::nanoseconds(std::chrono::hours(1)), true},
+                                  std::pair{std::chrono::nanoseconds(0), false}}) {
+    std::fill(to.begin(), to.end(), std::byte{0});
+    int wakes = 0;
+    bool last_byte_written = false;
+    detail::NearEnd near_end(kBytes, lead, [&] {
+      ++wakes;
+      last_byte_written = to.back() == std::byte{1};
+    });
+    detail::copy_paced(to.data(), from.data(), kBytes, false, near_end);
+    EXPECT_EQ(wakes, 1) << lead.count();
+    EXPECT_EQ(last_byte_written, !before_end) << lead.count();
+    EXPECT_EQ(to, from);
+  }
+  detail::NearEnd counts_only(kBytes, std::chrono::hours(1), nullptr);
+  detail::copy_paced(to.data(), from.data(), kBytes, true, counts_only);  // no wake to call
+  detail::finish_streaming();
+  EXPECT_EQ(to, from);
+}
+
 // A kept builder follows a tensor that moved, without a new layout or a new encoding.
 TEST(Builder, SetDataMovesAnEntryAndKeepsItsEncoding) {
   std::array<std::uint32_t, 4> first{1, 2, 3, 4}, moved{5, 6, 7, 8};
@@ -211,6 +238,13 @@ TEST(Builder, SetDataMovesAnEntryAndKeepsItsEncoding) {
   message = expect_error(ErrorCode::Unmaterialized, [&] { builder.set_data("w", nullptr); });
   EXPECT_NE(message.find("'w' of U32 [4]"), std::string::npos) << message;
   EXPECT_EQ(builder.entry_sources()[0], reinterpret_cast<const std::byte*>(moved.data()));  // refused: unchanged
+  // An empty tensor, added without data, takes any address, null included; packing reads the
+  // moved entry's new bytes.
+  BucketBuilder with_empty;
+  with_empty.add("w", DType::U32, {4}, first.data()).add("empty", DType::F32, {0}, nullptr);
+  with_empty.set_data("empty", moved.data()).set_data("empty", nullptr).set_data("w", moved.data());
+  auto packed = with_empty.pack();
+  EXPECT_EQ(std::memcmp(packed.payload.span().data(), moved.data(), sizeof moved), 0);
 }
 
 TEST(Builder, ReportsBadShapeBeforeMissingData) {

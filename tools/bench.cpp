@@ -95,11 +95,12 @@ Latency measure(const std::string& channel, int count, int warmup, Wait wait, Cl
     ::close(report[0]);
     throw;
   }
+  // A consumer still waiting for what will not come (a polling one never times out) first.
+  if (!driven) ::kill(consumer, SIGKILL);
   double values[2] = {};
   bool reported = ::read(report[0], values, sizeof values) == sizeof values;
   ::close(report[0]);
   int status = 0;
-  if (!driven) ::kill(consumer, SIGKILL);
   ::waitpid(consumer, &status, 0);
   return {values[0], values[1], driven && reported && WIFEXITED(status) && WEXITSTATUS(status) == 0};
 }

@@ -12,6 +12,7 @@
 // tensorbucket's in-place commit() -> views compares with), and of one memcpy of the same bytes
 // between two warm buffers (memcpy_us), as tbucket bench measures it.
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -34,6 +35,7 @@ namespace {
 constexpr int kTensors = 1000;
 constexpr int kWarmup = 2;
 constexpr std::uint32_t kAlignment = 256;  // tensorbucket's entry alignment
+constexpr std::uint64_t kPatience = 10'000'000'000ull;  // ns: the other side is gone
 
 std::uint64_t now_ns() {
   timespec now{};
@@ -59,19 +61,21 @@ struct Rounds {
 const iox::capro::ServiceDescription kService{"tensorbucket", "peer", "bucket"};
 
 [[noreturn]] void subscribe(Rounds& rounds, int count, std::uint64_t bytes) {
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // a publisher killed (a timeout) takes us along
   iox::runtime::PoshRuntime::initRuntime(
       iox::RuntimeName_t(iox::cxx::TruncateToCapacity, ("tbpeer-sub-" + std::to_string(::getpid())).c_str()));
   iox::popo::SubscriberOptions options;
   options.queueCapacity = 1;
   iox::popo::UntypedSubscriber subscriber(kService, options);
-  while (subscriber.getSubscriptionState() != iox::SubscribeState::SUBSCRIBED) {
+  for (auto deadline = now_ns() + kPatience; subscriber.getSubscriptionState() != iox::SubscribeState::SUBSCRIBED;) {
+    if (now_ns() > deadline) ::_exit(3);
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   rounds.ready.store(1);
   std::vector<double> fill, publish;
   for (int i = 0; i < count; ++i) {
     const void* chunk = nullptr;
-    auto deadline = now_ns() + 10'000'000'000ull;
+    auto deadline = now_ns() + kPatience;
     while (chunk == nullptr) {
       subscriber.take().and_then([&](const void* taken) { chunk = taken; });
       if (chunk == nullptr && now_ns() > deadline) ::_exit(3);
@@ -100,11 +104,11 @@ int main(int argc, char** argv) {
   }
   auto tensor_bytes = std::strtoull(argv[1], nullptr, 10);
   int repeats = std::atoi(argv[2]);
-  std::uint64_t bytes = kTensors * tensor_bytes;
-  if (tensor_bytes == 0 || bytes >= (std::uint64_t{1} << 32) || repeats < 1) {
+  if (tensor_bytes == 0 || tensor_bytes >= ((std::uint64_t{1} << 32) / kTensors) || repeats < 1) {
     std::fprintf(stderr, "iceoryx_handoff: a chunk holds less than 4 GiB, and repeats must be positive\n");
     return 2;
   }
+  std::uint64_t bytes = kTensors * tensor_bytes;
   int count = repeats + kWarmup;
   auto* rounds = static_cast<Rounds*>(
       ::mmap(nullptr, sizeof(Rounds), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
@@ -119,10 +123,12 @@ int main(int argc, char** argv) {
   iox::runtime::PoshRuntime::initRuntime(
       iox::RuntimeName_t(iox::cxx::TruncateToCapacity, ("tbpeer-pub-" + std::to_string(::getpid())).c_str()));
   iox::popo::UntypedPublisher publisher(kService);
-  while (rounds->ready.load() == 0 || !publisher.hasSubscribers()) {
+  bool ok = true;
+  for (auto deadline = now_ns() + kPatience; ok && (rounds->ready.load() == 0 || !publisher.hasSubscribers());) {
+    ok = now_ns() < deadline;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  bool ok = true;
+  if (!ok) std::fprintf(stderr, "iceoryx_handoff: no subscriber within 10 s\n");
   for (int i = 0; i < count && ok; ++i) {
     tensors.back().back() = static_cast<unsigned char>(i);
     rounds->started_ns.store(now_ns());
@@ -138,16 +144,20 @@ int main(int argc, char** argv) {
                        static_cast<unsigned long long>(bytes));
           ok = false;
         });
-    auto deadline = now_ns() + 10'000'000'000ull;
+    auto deadline = now_ns() + kPatience;
     while (ok && rounds->acked.load() < static_cast<std::uint64_t>(i) + 1) {
-      if (now_ns() > deadline) ok = false;
+      if (now_ns() > deadline) {
+        std::fprintf(stderr, "iceoryx_handoff: round %d was not taken within 10 s\n", i);
+        ok = false;
+      }
     }
   }
   if (!ok) ::kill(child, SIGKILL);
   int status = 0;
   ::waitpid(child, &status, 0);
-  if (!ok || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    std::fprintf(stderr, "iceoryx_handoff: the subscriber failed (status %d)\n", status);
+  if (!ok) return 1;
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    std::fprintf(stderr, "iceoryx_handoff: the subscriber failed (wait status %d)\n", status);
     return 1;
   }
 

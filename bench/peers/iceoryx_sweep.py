@@ -40,12 +40,13 @@ def roudi_config(path):
     path.write_text(f"[general]\nversion = 1\n\n[[segment]]\n\n{pools}")
 
 
-def start_roudi(config):
-    roudi = subprocess.Popen(["iox-roudi", "-c", str(config), "-l", "warning"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start_roudi(config, log):
+    """RouDi's output goes to a file: a pipe nobody reads would fill with its warnings and stall it."""
+    with open(log, "w") as out:
+        roudi = subprocess.Popen(["iox-roudi", "-c", str(config), "-l", "warning"], stdout=out, stderr=subprocess.STDOUT)
     time.sleep(1.0)  # it maps its segments first; a runtime that comes early waits for it anyway
     if roudi.poll() is not None:
-        sys.exit(f"iox-roudi exited at once (another RouDi running?):\n{roudi.stdout.read()}")
+        sys.exit(f"iox-roudi exited at once (another RouDi running?):\n{pathlib.Path(log).read_text()}")
     return roudi
 
 
@@ -64,11 +65,12 @@ def median(values):
 
 
 def ours(tbucket, tensor_bytes):
-    rows = json.loads(subprocess.run([tbucket, "bench", "--json", "--tensor-bytes", str(tensor_bytes)],
-                                     check=True, capture_output=True, text=True, timeout=600).stdout)
-    copy, in_place = rows
-    if not (copy["ok"] and in_place["ok"]):
-        sys.exit(f"tbucket bench failed at {size_text(tensor_bytes)} a tensor: {rows}")
+    out = subprocess.run([tbucket, "bench", "--json", "--tensor-bytes", str(tensor_bytes)],
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        sys.exit(f"tbucket bench failed at {size_text(tensor_bytes)} a tensor (exit {out.returncode}):\n"
+                 f"{out.stderr}{out.stdout}")
+    copy, in_place = json.loads(out.stdout)
     return {"copy_us": copy["median_us"], "in_place_us": in_place["median_us"], "memcpy_us": copy["baseline_us"]}
 
 
@@ -122,10 +124,12 @@ def main():
         sys.exit(f"{peer} was not built: scripts/install-deps --peers, then reconfigure (-Dpeers=auto)")
     print(f"load average before: {os.getloadavg()[0]:.2f} (a quiet machine is below 0.3)")
     turns = {n: {"ours": [], "iceoryx": []} for n in TENSOR_BYTES}
+    # SIGTERM unwinds like Ctrl+C: RouDi is stopped and the config removed either way.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="tbpeer-") as temp:
         config = pathlib.Path(temp) / "roudi.toml"
         roudi_config(config)
-        roudi = start_roudi(config)
+        roudi = start_roudi(config, pathlib.Path(temp) / "roudi.log")
         try:
             for round_ in range(args.rounds):
                 for n in TENSOR_BYTES:
