@@ -1,6 +1,7 @@
 """tensorbucket beside Eclipse iceoryx and memcpy, from 1 MiB to 1 GiB (1000 tensors a bucket).
 
-    scripts/install-deps --peers          # Debian's iceoryx; then configure: the peer builds
+    scripts/install-deps --peers          # Debian's iceoryx
+    scripts/setup-build build && ninja -C build   # (re)configured, the peer builds
     .venv/bin/python bench/peers/iceoryx_sweep.py [--build build] [--rounds 3] [--plot bench/iceoryx_sweep.png]
 
 Starts its own RouDi (iceoryx's daemon) with a private config whose mempools fit the sweep's
@@ -121,7 +122,8 @@ def main():
     build = pathlib.Path(args.build)
     tbucket, peer = build / "tools" / "tbucket", build / "bench" / "peers" / "iceoryx_handoff"
     if not peer.exists():
-        sys.exit(f"{peer} was not built: scripts/install-deps --peers, then reconfigure (-Dpeers=auto)")
+        sys.exit(f"{peer} was not built: scripts/install-deps --peers, then scripts/setup-build {build} "
+                 f"and ninja -C {build}")
     print(f"load average before: {os.getloadavg()[0]:.2f} (a quiet machine is below 0.3)")
     turns = {n: {"ours": [], "iceoryx": []} for n in TENSOR_BYTES}
     # SIGTERM unwinds like Ctrl+C: RouDi is stopped and the config removed either way.
