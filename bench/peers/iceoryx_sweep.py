@@ -12,6 +12,7 @@ in-place commit, and a memcpy of the same bytes) and `iceoryx_handoff N` (iceory
 median over the rounds of each figure, the ratios, and saves a plot (matplotlib).
 """
 import argparse
+import getpass
 import json
 import os
 import pathlib
@@ -44,7 +45,8 @@ def roudi_config(path):
 def start_roudi(config, log):
     """RouDi's output goes to a file: a pipe nobody reads would fill with its warnings and stall it."""
     with open(log, "w") as out:
-        roudi = subprocess.Popen(["iox-roudi", "-c", str(config), "-l", "warning"], stdout=out, stderr=subprocess.STDOUT)
+        roudi = subprocess.Popen(["iox-roudi", "-c", str(config), "-l", "warning", "-k", "1"], stdout=out,
+                                 stderr=subprocess.STDOUT)
     time.sleep(1.0)  # it maps its segments first; a runtime that comes early waits for it anyway
     if roudi.poll() is not None:
         sys.exit(f"iox-roudi exited at once (another RouDi running?):\n{pathlib.Path(log).read_text()}")
@@ -52,12 +54,21 @@ def start_roudi(config, log):
 
 
 def stop_roudi(roudi):
+    """Stops RouDi (~15 s here). One that did not end cleanly (it aborts once an application of
+    its crashed) leaves its shared memory and sockets behind: ours, as it started, so removed."""
     roudi.send_signal(signal.SIGINT)
     try:
-        roudi.wait(timeout=20)
+        roudi.wait(timeout=60)
     except subprocess.TimeoutExpired:
         roudi.kill()
         roudi.wait()
+    if roudi.returncode != 0:
+        left = [pathlib.Path(p) for p in ("/dev/shm/iceoryx_mgmt", f"/dev/shm/{getpass.getuser()}", "/tmp/roudi",
+                                          "/tmp/roudi.lock", "/tmp/iox-unique-roudi.lock")]
+        removed = [str(p) for p in left if p.exists()]
+        for path in left:
+            path.unlink(missing_ok=True)
+        print(f"RouDi ended with status {roudi.returncode}; removed what it left: {', '.join(removed) or 'nothing'}")
 
 
 def median(values):
