@@ -5,7 +5,8 @@
     .venv/bin/python bench/peers/iceoryx_sweep.py [--build build] [--rounds 3] [--plot bench/iceoryx_sweep.png]
 
 Starts its own RouDi (iceoryx's daemon) with a private config whose mempools fit the sweep's
-chunks, and stops it at the end, whatever happens. At every size it runs, in turns (the order
+chunks (4.3 GB of /dev/shm, besides tbucket's two 1 GiB slots), and stops it at the end,
+whatever happens. At every size it runs, in turns (the order
 alternating from round to round), `tbucket bench --json --tensor-bytes N` (our copy handoff and
 in-place commit, and a memcpy of the same bytes) and `iceoryx_handoff N` (iceoryx's loan + fill
 + publish -> take and publish -> take, and its own memcpy). Both consumers poll. It prints the
