@@ -27,6 +27,8 @@ std::string_view to_string(ErrorCode code) noexcept {
     case ErrorCode::PermissionDenied: return "PermissionDenied";
     case ErrorCode::ChannelFull: return "ChannelFull";
     case ErrorCode::SystemError: return "SystemError";
+    case ErrorCode::NetworkError: return "NetworkError";
+    case ErrorCode::Unauthorized: return "Unauthorized";
     case ErrorCode::CudaUnavailable: return "CudaUnavailable";
     case ErrorCode::DeviceNotVisible: return "DeviceNotVisible";
     case ErrorCode::CudaFailed: return "CudaFailed";

@@ -110,6 +110,17 @@ BucketView::BucketView(std::shared_ptr<const detail::VerifiedManifest> verified,
       location_(location),
       payload_checksum_(payload_checksum) {}
 
+std::vector<std::byte> BucketView::frame() const {
+  if (!verified_) fail(ErrorCode::InvalidArgument, "frame() of a moved-from view");
+  std::vector<std::byte> frame(sizeof(BucketHeader) + verified_->bytes.size());
+  auto encoded = std::span(frame).subspan(sizeof(BucketHeader));
+  std::memcpy(encoded.data(), verified_->bytes.data(), encoded.size());
+  detail::stamp_identity(encoded, {version_, bucket_index_, bucket_count_});
+  auto header = make_header(encoded, payload_);
+  std::memcpy(frame.data(), &header, sizeof header);
+  return frame;
+}
+
 const Manifest& BucketView::manifest() const noexcept {
   static const Manifest kEmpty;  // what a moved-from view shows
   return verified_ ? verified_->manifest : kEmpty;

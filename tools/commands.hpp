@@ -67,6 +67,38 @@ struct BenchOptions {
   std::uint64_t tensor_bytes = 0;  // not 0: only the copy and in-place figures, 1000 tensors of this size
 };
 
+// `tbucket serve` and `tbucket relay` (built where UCX is: network.cpp).
+struct ServeCommandOptions {
+  std::string channel;
+  std::string listen;  // ADDRESS:PORT, no default
+  std::string token_file;
+  std::uint64_t peer_timeout_ms = 10000;
+  std::uint32_t max_peers = 16;
+  std::uint64_t timeout_ms = 10000;  // for the channel to appear
+};
+
+struct RelayOptions {
+  std::string connect;  // HOST:PORT
+  std::string channel;  // the served channel's name
+  std::string as;       // the local channel's; empty: the same name
+  std::string token_file;
+  std::uint32_t slots = 2;
+  std::uint32_t consumers = 1;
+  std::uint32_t max_consumers = 8;
+  std::uint32_t update_buckets = 1;
+  std::string policy = "block";
+  bool checksum = false;
+  std::string device = "host";
+  std::uint64_t timeout_ms = 10000;       // a local publish; also the first connect
+  std::uint64_t idle_timeout_ms = 5000;   // silence after which the link counts as dead
+  std::uint64_t max_bucket_bytes = 64ull << 30;
+  std::uint64_t buckets = 0;  // stop after relaying this many; 0: until a signal
+  bool quiet = false;
+};
+
+int run_serve(const ServeCommandOptions& options);
+int run_relay(const RelayOptions& options);
+
 int run_produce(const ProduceOptions& options);
 int run_consume(const ConsumeOptions& options);
 int run_inspect(const InspectOptions& options);

@@ -47,8 +47,10 @@ void add(Line& line, const ReceivedBucket& bucket, const ConsumeOptions& options
   line.entries += view.size();
   for (std::size_t i = 0; i < view.size(); ++i) line.bytes += view[i].bytes.size();
   if (!options.verify || !line.problem.empty()) return;
-  line.problem = view.location().on_host() ? check_bucket(view, options.seed, bucket.sequence())
-                                           : check_bucket(view, options.seed, bucket.sequence(), bucket.copy_to_host());
+  // The workload bucket its identity names: a relayed channel numbers its buckets anew.
+  auto index = view.version() * view.bucket_count() + view.bucket_index();
+  line.problem = view.location().on_host() ? check_bucket(view, options.seed, index)
+                                           : check_bucket(view, options.seed, index, bucket.copy_to_host());
 }
 
 void print(const Line& line, const ConsumeOptions& options) {

@@ -14,6 +14,8 @@ enum ExitCode : int {
   kVerificationFailed = 5,
   kChannelUnavailable = 6,
   kDeviceError = 7,
+  kNetworkError = 8,
+  kUnauthorized = 9,
 };
 
 constexpr int exit_code_for(ErrorCode code) {
@@ -43,6 +45,8 @@ constexpr int exit_code_for(ErrorCode code) {
     case ErrorCode::CudaUnavailable:
     case ErrorCode::DeviceNotVisible:
     case ErrorCode::CudaFailed: return kDeviceError;
+    case ErrorCode::NetworkError: return kNetworkError;
+    case ErrorCode::Unauthorized: return kUnauthorized;
     case ErrorCode::ChannelFull:
     case ErrorCode::SystemError: return kOtherError;
   }

@@ -155,11 +155,63 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->excludes(bench_size);
 
+#ifdef TENSORBUCKET_NET
+  cli::ServeCommandOptions serve;
+  auto* serve_command = app.add_subcommand("serve", "Serve a local channel to relays on other hosts (UCX)");
+  serve_command->add_option("--channel", serve.channel, "The local channel to serve")->required();
+  serve_command->add_option("--listen", serve.listen,
+                            "ADDRESS:PORT to listen on, an address of this host ([ADDRESS]:PORT for IPv6); no default")
+      ->required();
+  serve_command->add_option("--token-file", serve.token_file,
+                            "The shared secret: 16-4096 bytes, mode 0600; relays must hold the same")
+      ->required();
+  serve_command->add_option("--peer-timeout-ms", serve.peer_timeout_ms,
+                            "A relay that takes no bucket within this is dropped (it reconnects)")
+      ->check(whole_number(1, kAny));
+  serve_command->add_option("--max-peers", serve.max_peers, "Relays at once")->check(whole_number(1, 1024));
+  serve_command->add_option("--timeout-ms", serve.timeout_ms, "Wait for the channel's producer at most this long")
+      ->check(whole_number(0, kAny));
+
+  cli::RelayOptions relay;
+  auto* relay_command = app.add_subcommand("relay", "Republish a served channel from another host into a local channel");
+  relay_command->add_option("--connect", relay.connect, "HOST:PORT of `tbucket serve`")->required();
+  relay_command->add_option("--channel", relay.channel, "The served channel's name")->required();
+  relay_command->add_option("--as", relay.as, "The local channel's name (default: the same)");
+  relay_command->add_option("--token-file", relay.token_file, "The shared secret, as `tbucket serve` has it")->required();
+  relay_command->add_option("--slots", relay.slots, "Local slots")->check(whole_number(1, 16));
+  relay_command->add_option("--consumers", relay.consumers, "Local releases each bucket needs (min_consumers)")
+      ->check(whole_number(0, 64));
+  relay_command->add_option("--max-consumers", relay.max_consumers, "Local consumer records")->check(whole_number(1, 64));
+  relay_command->add_option("--update-buckets", relay.update_buckets, "`latest`: the most buckets an update has")
+      ->check(whole_number(1, 16));
+  relay_command->add_option("--policy", relay.policy, "The local channel's: block or latest")
+      ->check(CLI::IsMember({"block", "latest"}));
+  relay_command->add_flag("--checksum", relay.checksum, "Hash every local payload too");
+  relay_command->add_option("--device", relay.device, "Where the local payloads live: host, cuda, cuda:N");
+  relay_command->add_option("--timeout-ms", relay.timeout_ms,
+                            "A local publish waits at most this long (then the link is dropped, to resume at the "
+                            "next update)")
+      ->check(whole_number(0, kAny));
+  relay_command->add_option("--idle-timeout-ms", relay.idle_timeout_ms, "Silence after which the link counts as dead")
+      ->check(whole_number(100, kAny));
+  relay_command->add_option("--max-bucket-bytes", relay.max_bucket_bytes, "A larger payload drops the link")
+      ->check(whole_number(0, kAny));
+  relay_command->add_option("--buckets", relay.buckets, "Stop after relaying this many (0: until a signal)")
+      ->check(whole_number(0, kAny));
+  relay_command->add_flag("--quiet", relay.quiet, "No line on each connection");
+#endif
+
   // CLI11 answers an unknown command with "A subcommand is required".
   auto named = [&](const CLI::App* command) { return command->get_name() == argv[1]; };
   if (argc > 1 && argv[1][0] != '-' && app.get_subcommands(named).empty()) {
     std::fprintf(stderr, "tbucket: usage: unknown command '%s'; the commands are produce, consume, "
-                 "inspect, list, rm, demo and bench (see tbucket --help)\n", argv[1]);
+                 "inspect, list, rm, %s (see tbucket --help)\n", argv[1],
+#ifdef TENSORBUCKET_NET
+                 "demo, bench, serve and relay"
+#else
+                 "demo and bench (serve and relay need a build with UCX)"
+#endif
+    );
     return cli::kUsage;
   }
   try {
@@ -176,6 +228,10 @@ int main(int argc, char** argv) {
     if (*remove_command) return cli::run_remove(remove);
     if (*demo_command) return cli::run_demo(demo);
     if (*bench_command) return cli::run_bench(bench);
+#ifdef TENSORBUCKET_NET
+    if (*serve_command) return cli::run_serve(serve);
+    if (*relay_command) return cli::run_relay(relay);
+#endif
   } catch (const Error& e) {
     std::fprintf(stderr, "tbucket: %s: %s\n", to_string(e.code()).data(), e.what());
     return cli::exit_code_for(e.code());

@@ -207,6 +207,10 @@ class BucketView {
   std::span<const std::byte> payload() const noexcept { return payload_; }
   std::optional<PayloadChecksum> payload_checksum() const noexcept { return payload_checksum_; }
 
+  // This bucket's frame (docs/format.md) encoded anew, without a payload checksum: the
+  // verified layout stamped with this bucket's identity, for payload(). What a relay sends on.
+  std::vector<std::byte> frame() const;
+
   // This bucket's identity, from its manifest.
   std::uint64_t version() const noexcept { return version_; }
   std::uint32_t bucket_index() const noexcept { return bucket_index_; }

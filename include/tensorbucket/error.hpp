@@ -45,6 +45,8 @@ enum class ErrorCode : std::uint8_t {
   DeviceNotVisible,     // the channel's device (by UUID) is not among this process's devices
   CudaFailed,           // a CUDA driver call failed; the message names the call and its error
   LocationMismatch,     // the channel's payloads live elsewhere than this consumer asked for
+  NetworkError,         // a remote peer was unreachable, went silent, dropped the link or broke the protocol
+  Unauthorized,         // a remote peer did not prove it holds the shared token
 };
 
 // The enumerator's name, e.g. "ChecksumMismatch".

@@ -60,7 +60,9 @@ inline void register_errors(py::module_& m) {
         case ErrorCode::DeviceNotVisible:
         case ErrorCode::CudaFailed: raise(device_error); return;
         case ErrorCode::InvalidArgument: raise(invalid_argument); return;
-        case ErrorCode::SystemError: raise(error); return;
+        case ErrorCode::SystemError:
+        case ErrorCode::NetworkError:
+        case ErrorCode::Unauthorized: raise(error); return;
         // Every way a bucket fails verification. Listed, not a default: a new code must be
         // placed here on purpose (the compiler names a missing one).
         case ErrorCode::MissingManifest:

@@ -1,0 +1,135 @@
+// Across hosts: a channel exported to the network (Server) and received on another host
+// (RemoteSubscriber), over UCX. In the separate library tensorbucket-net, built where UCX is.
+//
+// A Server is an ordinary consumer of a local channel. It serves each bucket it receives to
+// the remote peers that proved they hold the shared token: the frame as one message, the
+// payload as another, sent from the slot itself (UCX moves it by remote memory access where
+// the transport has it, streamed otherwise, and keeps each slot's registration in its cache).
+// A RemoteSubscriber receives those buckets into host memory and verifies each one exactly as
+// a local consumer does (docs/format.md rules 1-6), and the payload hash, which the network
+// always carries, before it returns it. `tbucket relay` republishes them into a local channel,
+// so the servers on that host use Subscriber unchanged.
+//
+// Semantics (docs/network.md has the protocol, the failure cases and what an attacker on the
+// network can and cannot do):
+// - In order: a peer gets the channel's buckets in the order the server received them,
+//   starting at the first bucket of the next update after it joined (updates are units).
+// - Bounded: a peer that does not take a bucket within ServeOptions::peer_timeout is dropped,
+//   so a slow or dead host holds the local channel at most that long. A RemoteSubscriber that
+//   hears nothing (not even the server's heartbeat) within ConnectOptions::idle_timeout
+//   throws NetworkError. Connecting again resumes at the next whole update.
+// - Authenticated, not encrypted: both sides prove they hold the token (HMAC-SHA256 over fresh
+//   nonces) before anything is served. Anyone on the path can read the weights.
+//
+// Thread safety: each object is used by one thread at a time.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "tensorbucket/bucket.hpp"
+
+namespace tensorbucket::net {
+namespace detail {
+struct ServerState;
+struct RemoteState;
+}  // namespace detail
+
+// The shared secret in `path`: 16 to 4096 bytes (a trailing newline is dropped), in a regular
+// file of this user that neither group nor others may read or write (0600 or 0400).
+// PermissionDenied otherwise, naming the path and what is wrong; InvalidArgument for its size.
+std::string read_token_file(const std::string& path);
+
+struct ServeOptions {
+  // "ADDRESS:PORT" ("[ADDRESS]:PORT" for IPv6), an address of this host: there is no default,
+  // so that weights are never served on every interface by accident. Port 0 picks a free one.
+  std::string listen;
+  std::string token;  // read_token_file()
+  std::chrono::milliseconds peer_timeout{10000};  // a peer that takes no bucket within this is dropped
+  std::uint32_t max_peers = 16;
+  std::uint32_t window = 2;  // buckets sent to a peer before it acknowledged the first of them
+};
+
+class Server {
+ public:
+  // Attaches to `channel` as a consumer (waiting up to `attach_timeout`, errors as
+  // Subscriber::attach; it follows the channel across producer restarts) and listens.
+  // InvalidArgument for a bad address or option; NetworkError when the address cannot be
+  // bound (not this host's, or the port is taken).
+  static Server start(std::string_view channel, const ServeOptions& options,
+                      std::chrono::milliseconds attach_timeout);
+
+  Server(Server&&) noexcept;
+  Server& operator=(Server&&) noexcept;
+  ~Server();  // close()
+
+  // Serves for `duration`: admits and authenticates peers, sends every new bucket to the peers
+  // in the game, drops the slow and the dead. Problems with one peer are logged (stderr) and
+  // drop that peer only; errors of the local channel are thrown as Subscriber::next() throws
+  // them, but for ProducerGone (the server waits for the channel's next producer).
+  void serve_for(std::chrono::milliseconds duration);
+
+  std::string address() const;       // what it listens on, the port resolved
+  std::uint32_t peers() const noexcept;        // authenticated peers now
+  std::uint64_t buckets_served() const noexcept;  // buckets sent to at least one peer
+  void close() noexcept;  // disconnects every peer, detaches from the channel
+
+ private:
+  explicit Server(std::unique_ptr<detail::ServerState> state);
+  std::unique_ptr<detail::ServerState> state_;
+};
+
+struct ConnectOptions {
+  std::string token;    // read_token_file()
+  std::string channel;  // the served channel must have this name (ChannelMissing); empty: any
+  // The largest payload accepted: a bigger one is refused before any memory is taken for it.
+  std::uint64_t max_bucket_bytes = 64ull << 30;
+  std::chrono::milliseconds idle_timeout{5000};  // silence after which the link counts as dead
+};
+
+// A bucket received from a server, verified. Owns its bytes (host memory).
+class RemoteBucket {
+ public:
+  const BucketView& view() const noexcept { return view_; }
+  std::uint64_t sequence() const noexcept { return sequence_; }        // in the served channel
+  std::uint64_t incarnation() const noexcept { return incarnation_; }  // of the served channel's producer
+
+ private:
+  friend struct detail::RemoteState;
+  RemoteBucket(BucketView view, std::uint64_t sequence, std::uint64_t incarnation, std::shared_ptr<void> bytes)
+      : view_(std::move(view)), sequence_(sequence), incarnation_(incarnation), bytes_(std::move(bytes)) {}
+  BucketView view_;
+  std::uint64_t sequence_;
+  std::uint64_t incarnation_;
+  std::shared_ptr<void> bytes_;  // the payload's buffer, reused by the next bucket once this is gone
+};
+
+class RemoteSubscriber {
+ public:
+  // Connects to a Server at "HOST:PORT" and authenticates both ways within `timeout`.
+  // NetworkError when it cannot be reached, Unauthorized when either side's token proof fails.
+  static RemoteSubscriber connect(std::string_view address, const ConnectOptions& options,
+                                  std::chrono::milliseconds timeout);
+
+  RemoteSubscriber(RemoteSubscriber&&) noexcept;
+  RemoteSubscriber& operator=(RemoteSubscriber&&) noexcept;
+  ~RemoteSubscriber();
+
+  // The next bucket, verified (rules 1-6 and the payload hash); nullopt when none came within
+  // `timeout`. Verification errors throw and drop the link: a server that sends a bad bucket is
+  // not trusted further. NetworkError when the link is lost; connect again to go on.
+  std::optional<RemoteBucket> next(std::chrono::milliseconds timeout, const VerifyOptions& options = {});
+
+  const std::string& address() const noexcept;
+  const std::string& channel() const noexcept;  // the served channel's name
+
+ private:
+  explicit RemoteSubscriber(std::unique_ptr<detail::RemoteState> state);
+  std::unique_ptr<detail::RemoteState> state_;
+};
+
+}  // namespace tensorbucket::net

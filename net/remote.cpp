@@ -1,0 +1,257 @@
+// The receiving side: a bucket at a time from a Server, verified before it is handed out.
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "tensorbucket/error.hpp"
+#include "tensorbucket/net.hpp"
+#include "ucx.hpp"
+#include "wire.hpp"
+
+namespace tensorbucket::net {
+namespace detail {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr auto kCloseLimit = 1s;
+// A payload under way may take its size at this rate on top of the idle timeout.
+constexpr double kSlowestBytesPerMs = 10e3;  // 10 MB/s
+
+}  // namespace
+
+struct RemoteState {
+  std::string address;
+  std::string channel;  // the one served
+  ConnectOptions options;
+  Worker worker;
+  Endpoint endpoint;
+  std::uint64_t key = 0;
+  Clock::time_point last_heard = Clock::now();
+  std::uint64_t ordinal = 0;  // of the last bucket taken
+  std::optional<std::pair<std::uint64_t, std::uint64_t>> last;  // (incarnation, sequence) taken
+  std::vector<std::byte> message;
+  std::shared_ptr<AlignedBuffer> buffer;
+  ManifestCache cache;
+  std::vector<Request> acks;
+  Ack ack{};
+  bool broken = false;
+
+  RemoteState(std::string_view where, const ConnectOptions& connect) : address(where), options(connect) {}
+  ~RemoteState() {
+    acks.clear();
+    detail::close(worker, endpoint, kCloseLimit);
+  }
+
+  [[noreturn]] void lost(const std::string& why) {
+    broken = true;
+    acks.clear();
+    detail::close(worker, endpoint, kCloseLimit);
+    throw Error(ErrorCode::NetworkError, "link to " + address + ": " + why);
+  }
+
+  // Throws when the link failed: Unauthorized when the server said why first (it refuses only
+  // a peer that did not prove it holds the token), else NetworkError.
+  void check_link() {
+    if (endpoint.failed == UCS_OK) return;
+    std::size_t length = 0;
+    if (auto* found = probe(worker.get(), tag(Kind::Refused), kAllBits, &length)) {
+      std::string why(std::min(length, kMaxRefusalBytes), '\0');
+      auto receiving = receive(worker.get(), found, std::as_writable_bytes(std::span(why)));
+      for (int turns = 0; turns < 1000 && !receiving.done(); ++turns) worker.progress();
+      if (length <= kMaxRefusalBytes) refused(why);
+    }
+    lost(std::string("failed: ") + ucs_status_string(endpoint.failed));
+  }
+
+  [[noreturn]] void refused(const std::string& why) {
+    broken = true;
+    detail::close(worker, endpoint, kCloseLimit);
+    throw Error(ErrorCode::Unauthorized, "refused by " + address + ": " + why);
+  }
+
+  // The next message of `kind` taken whole into `into` (resized to it), waiting until `until`;
+  // false at `until`. Longer than `limit` bytes: the link is dropped.
+  bool take(Kind kind, std::vector<std::byte>& into, std::size_t limit, Clock::time_point until) {
+    for (;;) {
+      check_link();
+      std::size_t length = 0;
+      if (auto* found = probe(worker.get(), tag(kind), kKindMask, &length)) {
+        if (length > limit) lost("a message of " + std::to_string(length) + " bytes where " + std::to_string(limit) + " is the most");
+        into.resize(length);
+        auto receiving = receive(worker.get(), found, into);
+        wait_for(receiving, Clock::now() + options.idle_timeout);
+        last_heard = Clock::now();
+        return true;
+      }
+      if (Clock::now() >= until) return false;
+      worker.wait(std::min(std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()) + 1ms, 50ms));
+    }
+  }
+
+  void wait_for(Request& request, Clock::time_point until) {
+    try {
+      while (!request.done()) {
+        check_link();
+        if (Clock::now() > until) lost("a transfer stalled");
+        worker.progress();
+        std::this_thread::yield();
+      }
+    } catch (const Error& e) {
+      if (e.code() == ErrorCode::NetworkError && !broken) lost(e.what());
+      throw;
+    }
+  }
+
+  void skip_heartbeats() {
+    std::vector<std::byte> beat;
+    while (take(Kind::Heartbeat, beat, 64, Clock::now())) {
+    }
+  }
+
+  void refused_or_silent() {
+    std::vector<std::byte> why;
+    if (take(Kind::Refused, why, kMaxRefusalBytes, Clock::now())) {
+      refused(std::string(reinterpret_cast<const char*>(why.data()), why.size()));
+    }
+    if (Clock::now() - last_heard > options.idle_timeout) {
+      lost("no word for " + std::to_string(options.idle_timeout.count()) + " ms");
+    }
+  }
+
+  void handshake(Clock::time_point until, std::string_view token) {
+    std::vector<std::byte> bytes;
+    Challenge challenge{};
+    while (!take(Kind::Challenge, bytes, sizeof challenge, std::min(until, Clock::now() + 50ms))) {
+      refused_or_silent();
+      if (Clock::now() >= until) lost("no answer to connect");
+    }
+    if (bytes.size() != sizeof challenge) lost("a malformed challenge");
+    std::memcpy(&challenge, bytes.data(), sizeof challenge);
+    if (challenge.magic != kMagic || challenge.version != kProtocolVersion) {
+      lost("not a tensorbucket server of protocol version " + std::to_string(kProtocolVersion));
+    }
+    key = challenge.key;
+    ProofMessage proof{kMagic, kProtocolVersion, 0, client_proof(token, challenge.nonce, key), {}};
+    random_bytes(proof.nonce.data(), proof.nonce.size());
+    auto sending = send(worker.get(), endpoint.ep, std::as_bytes(std::span(&proof, 1)), tag(Kind::Proof, key));
+    wait_for(sending, until);
+    Welcome welcome{};
+    while (!take(Kind::Welcome, bytes, sizeof welcome, std::min(until, Clock::now() + 50ms))) {
+      refused_or_silent();
+      if (Clock::now() >= until) lost("no welcome after the proof");
+    }
+    if (bytes.size() != sizeof welcome) lost("a malformed welcome");
+    std::memcpy(&welcome, bytes.data(), sizeof welcome);
+    if (!same_digest(welcome.proof, server_proof(token, proof.nonce, key))) {
+      broken = true;
+      detail::close(worker, endpoint, kCloseLimit);
+      throw Error(ErrorCode::Unauthorized, address + " did not prove it holds the token");
+    }
+    std::string_view served(welcome.channel.data(), std::min<std::size_t>(welcome.channel_bytes, welcome.channel.size()));
+    if (!options.channel.empty() && served != options.channel) {
+      broken = true;
+      detail::close(worker, endpoint, kCloseLimit);
+      throw Error(ErrorCode::ChannelMissing, address + " serves channel '" + std::string(served) + "', not '" +
+                                                 options.channel + "'");
+    }
+    channel = served;
+    last_heard = Clock::now();
+  }
+
+  std::optional<RemoteBucket> next(Clock::time_point until, const VerifyOptions& verify) {
+    if (broken) throw Error(ErrorCode::NetworkError, "link to " + address + " is closed: connect again");
+    constexpr std::size_t kMaxMessage = sizeof(BucketAnnounce) + sizeof(BucketHeader) + kMaxManifestBytes;
+    for (;;) {
+      std::erase_if(acks, [](Request& request) { return request.done(); });
+      skip_heartbeats();
+      if (take(Kind::Bucket, message, kMaxMessage, std::min(until, Clock::now() + 50ms))) break;
+      refused_or_silent();
+      if (Clock::now() >= until) return std::nullopt;
+    }
+    BucketAnnounce announce{};
+    if (message.size() < sizeof announce) lost("a malformed bucket announce");
+    std::memcpy(&announce, message.data(), sizeof announce);
+    if (announce.frame_bytes != message.size() - sizeof announce || announce.ordinal != ordinal + 1) {
+      lost("a malformed bucket announce");
+    }
+    if (announce.payload_bytes > options.max_bucket_bytes) {
+      lost("a payload of " + std::to_string(announce.payload_bytes) + " bytes, past max_bucket_bytes " +
+           std::to_string(options.max_bucket_bytes));
+    }
+    if (last && last->first == announce.incarnation && announce.sequence <= last->second) {
+      lost("bucket " + std::to_string(announce.sequence) + " came after bucket " + std::to_string(last->second));
+    }
+    if (!buffer || buffer.use_count() != 1 || buffer->size() < announce.payload_bytes) {
+      buffer.reset();  // before the new one: two of the largest buckets need not fit at once
+      buffer = std::make_shared<AlignedBuffer>(announce.payload_bytes);
+    }
+    auto payload = buffer->span().first(announce.payload_bytes);
+    if (!payload.empty()) {
+      auto allowance = std::chrono::milliseconds(static_cast<std::int64_t>(payload.size() / kSlowestBytesPerMs));
+      auto deadline = Clock::now() + options.idle_timeout + allowance;
+      std::size_t length = 0;
+      ucp_tag_message_h found = nullptr;
+      while ((found = probe(worker.get(), tag(Kind::Payload), kAllBits, &length)) == nullptr) {
+        check_link();
+        if (Clock::now() > deadline) lost("no payload after the announce");
+        worker.wait(10ms);
+      }
+      if (length != payload.size()) {
+        lost("a payload of " + std::to_string(length) + " bytes where " + std::to_string(payload.size()) + " were announced");
+      }
+      auto receiving = receive(worker.get(), found, payload);
+      wait_for(receiving, deadline);
+      last_heard = Clock::now();
+    }
+    auto frame = std::span<const std::byte>(message).subspan(sizeof announce);
+    if (auto hash = xxh3(payload); hash != announce.payload_xxh3) {
+      broken = true;
+      detail::close(worker, endpoint, kCloseLimit);
+      throw Error(ErrorCode::ChecksumMismatch, "bucket " + std::to_string(announce.sequence) + " from " + address +
+                                                   ": payload hash does not match the one sent with it");
+    }
+    std::optional<BucketView> view;
+    try {
+      view = BucketView::open(frame, payload, verify, &cache);
+    } catch (const Error&) {
+      broken = true;
+      detail::close(worker, endpoint, kCloseLimit);
+      throw;
+    }
+    ordinal = announce.ordinal;
+    last = {announce.incarnation, announce.sequence};
+    ack.ordinal = ordinal;
+    acks.push_back(send(worker.get(), endpoint.ep, std::as_bytes(std::span(&ack, 1)), tag(Kind::Ack, key)));
+    return RemoteBucket(std::move(*view), announce.sequence, announce.incarnation, buffer);
+  }
+};
+
+}  // namespace detail
+
+RemoteSubscriber RemoteSubscriber::connect(std::string_view address, const ConnectOptions& options,
+                                           std::chrono::milliseconds timeout) {
+  if (options.token.empty()) throw Error(ErrorCode::InvalidArgument, "connect needs a token (read_token_file)");
+  auto where = detail::parse_address(address, false);
+  auto state = std::make_unique<detail::RemoteState>(address, options);
+  auto until = detail::Clock::now() + timeout;
+  detail::connect(state->worker.get(), state->endpoint, where);
+  state->handshake(until, options.token);
+  return RemoteSubscriber(std::move(state));
+}
+
+RemoteSubscriber::RemoteSubscriber(std::unique_ptr<detail::RemoteState> state) : state_(std::move(state)) {}
+RemoteSubscriber::RemoteSubscriber(RemoteSubscriber&&) noexcept = default;
+RemoteSubscriber& RemoteSubscriber::operator=(RemoteSubscriber&&) noexcept = default;
+RemoteSubscriber::~RemoteSubscriber() = default;
+
+std::optional<RemoteBucket> RemoteSubscriber::next(std::chrono::milliseconds timeout, const VerifyOptions& options) {
+  if (!state_) throw Error(ErrorCode::InvalidArgument, "next() on a moved-from RemoteSubscriber");
+  auto limit = std::min(timeout, std::chrono::milliseconds(std::chrono::hours(24 * 365)));
+  return state_->next(detail::Clock::now() + limit, options);
+}
+
+const std::string& RemoteSubscriber::address() const noexcept { return state_->address; }
+const std::string& RemoteSubscriber::channel() const noexcept { return state_->channel; }
+
+}  // namespace tensorbucket::net

@@ -1,0 +1,101 @@
+// The shared token and the proofs made with it.
+#include <fcntl.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+
+#include "tensorbucket/error.hpp"
+#include "tensorbucket/net.hpp"
+#include "wire.hpp"
+
+namespace tensorbucket::net {
+
+std::string read_token_file(const std::string& path) {
+  constexpr std::size_t kMin = 16, kMax = 4096;
+  auto denied = [&](const std::string& why) {
+    return Error(ErrorCode::PermissionDenied, "token file '" + path + "' " + why);
+  };
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) throw denied(std::string("cannot be opened: ") + std::strerror(errno));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat info {};
+  if (::fstat(fd, &info) != 0) throw denied(std::string("cannot be read: ") + std::strerror(errno));
+  if (!S_ISREG(info.st_mode)) throw denied("is not a regular file");
+  if (info.st_uid != ::geteuid()) throw denied("belongs to uid " + std::to_string(info.st_uid) + ", not to us");
+  if ((info.st_mode & 077) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(info.st_mode & 07777));
+    throw denied(std::string("has mode ") + mode + ": group and others must have no access (chmod 600)");
+  }
+  std::string token(kMax + 1, '\0');
+  std::size_t size = 0;
+  while (size < token.size()) {
+    auto got = ::read(fd, token.data() + size, token.size() - size);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) throw denied(std::string("cannot be read: ") + std::strerror(errno));
+    if (got == 0) break;
+    size += static_cast<std::size_t>(got);
+  }
+  token.resize(size);
+  if (token.ends_with('\n')) token.pop_back();
+  if (token.size() < kMin || token.size() > kMax) {
+    throw Error(ErrorCode::InvalidArgument, "token file '" + path + "' holds " + std::to_string(token.size()) +
+                                                " bytes; a token has " + std::to_string(kMin) + " to " +
+                                                std::to_string(kMax));
+  }
+  return token;
+}
+
+namespace detail {
+
+void random_bytes(void* into, std::size_t size) {
+  auto* bytes = static_cast<std::uint8_t*>(into);
+  while (size > 0) {
+    auto got = ::getrandom(bytes, size, 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) throw Error(ErrorCode::SystemError, std::string("getrandom: ") + std::strerror(errno));
+    bytes += got;
+    size -= static_cast<std::size_t>(got);
+  }
+}
+
+namespace {
+
+Digest proof(std::string_view label, std::string_view token, const Nonce& nonce, std::uint64_t key) {
+  std::string message(label);
+  message.append(reinterpret_cast<const char*>(nonce.data()), nonce.size());
+  message.append(reinterpret_cast<const char*>(&key), sizeof key);
+  Digest digest{};
+  unsigned length = 0;
+  if (HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()),
+           reinterpret_cast<const unsigned char*>(message.data()), message.size(), digest.data(), &length) == nullptr ||
+      length != digest.size()) {
+    throw Error(ErrorCode::SystemError, "HMAC-SHA256 failed");
+  }
+  return digest;
+}
+
+}  // namespace
+
+Digest client_proof(std::string_view token, const Nonce& server_nonce, std::uint64_t key) {
+  return proof("tensorbucket peer proof", token, server_nonce, key);
+}
+
+Digest server_proof(std::string_view token, const Nonce& peer_nonce, std::uint64_t key) {
+  return proof("tensorbucket server proof", token, peer_nonce, key);
+}
+
+bool same_digest(const Digest& a, const Digest& b) noexcept { return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0; }
+
+}  // namespace detail
+}  // namespace tensorbucket::net

@@ -1,0 +1,237 @@
+#include "ucx.hpp"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <poll.h>
+
+#include <charconv>
+#include <cstring>
+#include <thread>
+
+#include "tensorbucket/error.hpp"
+
+namespace tensorbucket::net::detail {
+
+void fail_ucx(std::string_view what, ucs_status_t status) {
+  throw Error(ErrorCode::NetworkError, std::string(what) + ": " + ucs_status_string(status));
+}
+
+SocketAddress parse_address(std::string_view text, bool numeric_only) {
+  auto bad = [&](const std::string& why) {
+    return Error(ErrorCode::InvalidArgument, "address '" + std::string(text) + "' " + why +
+                                                 " (want ADDRESS:PORT, or [ADDRESS]:PORT for IPv6)");
+  };
+  std::string_view host, port;
+  if (text.starts_with('[')) {
+    auto close = text.find("]:");
+    if (close == std::string_view::npos) throw bad("lacks ']:' after the IPv6 address");
+    host = text.substr(1, close - 1);
+    port = text.substr(close + 2);
+  } else {
+    auto colon = text.rfind(':');
+    if (colon == std::string_view::npos) throw bad("lacks a port");
+    host = text.substr(0, colon);
+    port = text.substr(colon + 1);
+    if (host.find(':') != std::string_view::npos) throw bad("is IPv6 without brackets");
+  }
+  unsigned number = 0;
+  auto [end, error] = std::from_chars(port.data(), port.data() + port.size(), number);
+  if (port.empty() || error != std::errc() || end != port.data() + port.size() || number > 65535) {
+    throw bad("has no port from 0 to 65535");
+  }
+  if (host.empty()) throw bad("names no host");
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = numeric_only ? AI_NUMERICHOST : 0;
+  addrinfo* found = nullptr;
+  std::string host_text(host), port_text(port);
+  if (int status = ::getaddrinfo(host_text.c_str(), port_text.c_str(), &hints, &found); status != 0) {
+    throw Error(numeric_only ? ErrorCode::InvalidArgument : ErrorCode::NetworkError,
+                "address '" + std::string(text) + "': " + ::gai_strerror(status) +
+                    (numeric_only ? " (a listener takes a numeric address of this host)" : ""));
+  }
+  SocketAddress address;
+  std::memcpy(&address.storage, found->ai_addr, found->ai_addrlen);
+  address.length = found->ai_addrlen;
+  address.text = std::string(text);
+  ::freeaddrinfo(found);
+  return address;
+}
+
+std::string to_string(const sockaddr_storage& address) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  unsigned port = 0;
+  if (address.ss_family == AF_INET) {
+    const auto& in = reinterpret_cast<const sockaddr_in&>(address);
+    ::inet_ntop(AF_INET, &in.sin_addr, host, sizeof host);
+    port = ntohs(in.sin_port);
+    return std::string(host) + ":" + std::to_string(port);
+  }
+  if (address.ss_family == AF_INET6) {
+    const auto& in6 = reinterpret_cast<const sockaddr_in6&>(address);
+    ::inet_ntop(AF_INET6, &in6.sin6_addr, host, sizeof host);
+    port = ntohs(in6.sin6_port);
+  }
+  return "[" + std::string(host) + "]:" + std::to_string(port);
+}
+
+Worker::Worker() {
+  ucp_config_t* config = nullptr;
+  if (auto status = ucp_config_read(nullptr, nullptr, &config); status != UCS_OK) fail_ucx("ucp_config_read", status);
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  auto status = ucp_init(&params, config, &context_);
+  ucp_config_release(config);
+  if (status != UCS_OK) fail_ucx("ucp_init", status);
+  ucp_worker_params_t worker_params{};
+  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;
+  if (status = ucp_worker_create(context_, &worker_params, &worker_); status != UCS_OK) {
+    ucp_cleanup(context_);
+    fail_ucx("ucp_worker_create", status);
+  }
+  if (status = ucp_worker_get_efd(worker_, &event_fd_); status != UCS_OK) {
+    ucp_worker_destroy(worker_);
+    ucp_cleanup(context_);
+    fail_ucx("ucp_worker_get_efd", status);
+  }
+}
+
+Worker::~Worker() {
+  // Messages nobody read (a heartbeat, a bucket under way when the link closed) are taken off
+  // the queue first: UCX warns about each one it finds there. Large ones are only truncated.
+  progress();
+  std::byte scratch[256];
+  ucp_tag_recv_info_t info{};
+  while (auto* message = ucp_tag_probe_nb(worker_, 0, 0, 1, &info)) {
+    ucp_request_param_t param{};
+    auto receiving = ucp_tag_msg_recv_nbx(worker_, scratch, sizeof scratch, message, &param);
+    if (UCS_PTR_IS_PTR(receiving)) {
+      for (int turns = 0; turns < 1000 && ucp_request_check_status(receiving) == UCS_INPROGRESS; ++turns) progress();
+      ucp_request_free(receiving);
+    }
+  }
+  ucp_worker_destroy(worker_);
+  ucp_cleanup(context_);
+}
+
+void Worker::progress() noexcept {
+  while (ucp_worker_progress(worker_) != 0) {
+  }
+}
+
+void Worker::wait(std::chrono::milliseconds limit) {
+  progress();
+  auto status = ucp_worker_arm(worker_);
+  if (status == UCS_ERR_BUSY) return;  // events came in meanwhile: the caller looks at them
+  if (status != UCS_OK) fail_ucx("ucp_worker_arm", status);
+  pollfd fd{event_fd_, POLLIN, 0};
+  ::poll(&fd, 1, static_cast<int>(std::max<std::chrono::milliseconds::rep>(limit.count(), 0)));
+  progress();
+}
+
+Request::Request(ucp_worker_h worker, ucs_status_ptr_t started, std::string_view what) : worker_(worker), what_(what) {
+  if (UCS_PTR_IS_ERR(started)) fail_ucx(what, UCS_PTR_STATUS(started));
+  request_ = UCS_PTR_IS_PTR(started) ? started : nullptr;
+}
+
+Request::Request(Request&& other) noexcept
+    : worker_(other.worker_), request_(std::exchange(other.request_, nullptr)), what_(std::move(other.what_)) {}
+
+Request& Request::operator=(Request&& other) noexcept {
+  if (this != &other) {
+    cancel();
+    worker_ = other.worker_;
+    request_ = std::exchange(other.request_, nullptr);
+    what_ = std::move(other.what_);
+  }
+  return *this;
+}
+
+Request::~Request() { cancel(); }
+
+bool Request::done() {
+  if (request_ == nullptr) return true;
+  auto status = ucp_request_check_status(request_);
+  if (status == UCS_INPROGRESS) return false;
+  ucp_request_free(request_);
+  request_ = nullptr;
+  if (status != UCS_OK) fail_ucx(what_, status);
+  return true;
+}
+
+void Request::cancel() noexcept {
+  if (request_ == nullptr) return;
+  if (ucp_request_check_status(request_) == UCS_INPROGRESS) ucp_request_cancel(worker_, request_);
+  ucp_request_free(request_);  // UCX frees it once it completes
+  request_ = nullptr;
+}
+
+Request send(ucp_worker_h worker, ucp_ep_h ep, std::span<const std::byte> bytes, ucp_tag_t tag) {
+  ucp_request_param_t param{};
+  return Request(worker, ucp_tag_send_nbx(ep, bytes.data(), bytes.size(), tag, &param), "sending");
+}
+
+Request receive(ucp_worker_h worker, ucp_tag_message_h message, std::span<std::byte> into) {
+  ucp_request_param_t param{};
+  return Request(worker, ucp_tag_msg_recv_nbx(worker, into.data(), into.size(), message, &param), "receiving");
+}
+
+ucp_tag_message_h probe(ucp_worker_h worker, ucp_tag_t tag, ucp_tag_t mask, std::size_t* length) noexcept {
+  ucp_tag_recv_info_t info{};
+  auto message = ucp_tag_probe_nb(worker, tag, mask, 1, &info);
+  if (message != nullptr) *length = info.length;
+  return message;
+}
+
+namespace {
+
+void on_error(void* arg, ucp_ep_h, ucs_status_t status) {
+  auto* endpoint = static_cast<Endpoint*>(arg);
+  endpoint->failed = status == UCS_OK ? UCS_ERR_CONNECTION_RESET : status;
+}
+
+void create(ucp_worker_h worker, Endpoint& endpoint, ucp_ep_params_t& params, std::string_view what) {
+  params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  params.err_handler.cb = on_error;
+  params.err_handler.arg = &endpoint;
+  if (auto status = ucp_ep_create(worker, &params, &endpoint.ep); status != UCS_OK) fail_ucx(what, status);
+}
+
+}  // namespace
+
+void connect(ucp_worker_h worker, Endpoint& endpoint, const SocketAddress& address) {
+  ucp_ep_params_t params{};
+  params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR;
+  params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+  params.sockaddr.addr = address.get();
+  params.sockaddr.addrlen = address.length;
+  create(worker, endpoint, params, "connecting to " + address.text);
+}
+
+void accept(ucp_worker_h worker, Endpoint& endpoint, ucp_conn_request_h request) {
+  ucp_ep_params_t params{};
+  params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST;
+  params.conn_request = request;
+  create(worker, endpoint, params, "accepting a connection");
+}
+
+void close(Worker& worker, Endpoint& endpoint, std::chrono::milliseconds limit, bool flush) noexcept {
+  if (endpoint.ep == nullptr) return;
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = flush && endpoint.failed == UCS_OK ? 0 : UCP_EP_CLOSE_FLAG_FORCE;
+  auto closing = ucp_ep_close_nbx(std::exchange(endpoint.ep, nullptr), &param);
+  if (!UCS_PTR_IS_PTR(closing)) return;
+  auto until = Clock::now() + limit;
+  while (ucp_request_check_status(closing) == UCS_INPROGRESS && Clock::now() < until) {
+    worker.progress();
+    std::this_thread::yield();
+  }
+  ucp_request_free(closing);
+}
+
+}  // namespace tensorbucket::net::detail

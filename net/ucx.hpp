@@ -1,0 +1,90 @@
+// Internal: the little of UCX that the network side uses, owned and bounded. One UCP context
+// with one worker, driven by one thread; tagged messages only; every wait has a limit.
+#pragma once
+
+#include <sys/socket.h>
+#include <ucp/api/ucp.h>
+
+#include <chrono>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace tensorbucket::net::detail {
+
+using Clock = std::chrono::steady_clock;
+
+// NetworkError naming the UCX call and its status.
+[[noreturn]] void fail_ucx(std::string_view what, ucs_status_t status);
+
+// "ADDRESS:PORT", or "[ADDRESS]:PORT" for IPv6. A listener takes a numeric address only (never
+// a name that could resolve to every interface); a connect may name a host.
+struct SocketAddress {
+  sockaddr_storage storage{};
+  socklen_t length = 0;
+  std::string text;  // as given, for messages
+  const sockaddr* get() const noexcept { return reinterpret_cast<const sockaddr*>(&storage); }
+};
+SocketAddress parse_address(std::string_view text, bool numeric_only);
+std::string to_string(const sockaddr_storage& address);
+
+class Worker {
+ public:
+  Worker();
+  ~Worker();
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  ucp_worker_h get() const noexcept { return worker_; }
+  void progress() noexcept;
+  // Sleeps until the network has something for this worker, `limit` at most.
+  void wait(std::chrono::milliseconds limit);
+
+ private:
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int event_fd_ = -1;
+};
+
+// A send or receive under way. Destroying one that is not done cancels it (a receive) or lets
+// UCX finish and free it (a send); either way the buffer must outlive the worker's progress
+// until done() says so, or until the endpoint was closed.
+class Request {
+ public:
+  Request() = default;
+  Request(ucp_worker_h worker, ucs_status_ptr_t started, std::string_view what);
+  Request(Request&& other) noexcept;
+  Request& operator=(Request&& other) noexcept;
+  ~Request();
+
+  // True once finished; NetworkError when it finished with an error.
+  bool done();
+  void cancel() noexcept;
+
+ private:
+  ucp_worker_h worker_ = nullptr;
+  void* request_ = nullptr;  // null when done at once
+  std::string what_;
+};
+
+// Sends `bytes` tagged `tag` on `ep`.
+Request send(ucp_worker_h worker, ucp_ep_h ep, std::span<const std::byte> bytes, ucp_tag_t tag);
+// Receives the probed message into `into`, which must hold exactly its length.
+Request receive(ucp_worker_h worker, ucp_tag_message_h message, std::span<std::byte> into);
+// Takes the next message whose tag matches `tag` under `mask` off the worker's queue, or null.
+ucp_tag_message_h probe(ucp_worker_h worker, ucp_tag_t tag, ucp_tag_t mask, std::size_t* length) noexcept;
+
+// An endpoint whose failures (the peer gone, the link reset) set `failed` instead of aborting.
+struct Endpoint {
+  ucp_ep_h ep = nullptr;
+  ucs_status_t failed = UCS_OK;  // set from the worker's progress
+};
+void connect(ucp_worker_h worker, Endpoint& endpoint, const SocketAddress& address);
+void accept(ucp_worker_h worker, Endpoint& endpoint, ucp_conn_request_h request);
+// Closes the endpoint, waiting `limit` at most for UCX to let go of it: at once (pending
+// operations end with an error), or with `flush` after what was sent has arrived. The
+// Endpoint object must live until this returns.
+void close(Worker& worker, Endpoint& endpoint, std::chrono::milliseconds limit, bool flush = false) noexcept;
+
+}  // namespace tensorbucket::net::detail

@@ -1,0 +1,82 @@
+// Internal: the messages between a Server and a RemoteSubscriber (docs/network.md, "Protocol").
+// Each is one tagged UCX message of fixed little-endian layout; the tag's top byte says which,
+// and a peer's messages to the server carry the random key the server gave that connection.
+#pragma once
+
+#include <array>
+#include <bit>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include <ucp/api/ucp.h>
+
+namespace tensorbucket::net::detail {
+
+static_assert(std::endian::native == std::endian::little, "the wire layout is little-endian");
+
+inline constexpr std::uint32_t kProtocolVersion = 1;
+inline constexpr std::array<char, 8> kMagic = {'T', 'B', 'N', 'E', 'T', '\0', '\0', '\0'};
+
+enum class Kind : std::uint8_t {
+  Challenge = 1,  // server → peer: the connection's key and the server's nonce
+  Proof,          // peer → server: its proof and its own nonce
+  Welcome,        // server → peer: the server's proof; buckets follow
+  Refused,        // server → peer: why it closes the link (text)
+  Bucket,         // server → peer: BucketAnnounce followed by the frame
+  Payload,        // server → peer: the payload's bytes
+  Ack,            // peer → server: the ordinal of the last bucket it took
+  Heartbeat,      // server → peer, when idle: the link is alive
+};
+
+inline constexpr ucp_tag_t kKindMask = 0xffull << 56;
+inline constexpr ucp_tag_t kKeyMask = ~kKindMask;
+inline constexpr ucp_tag_t kAllBits = ~0ull;
+constexpr ucp_tag_t tag(Kind kind, std::uint64_t key = 0) {
+  return (static_cast<ucp_tag_t>(kind) << 56) | (key & kKeyMask);
+}
+
+using Nonce = std::array<std::uint8_t, 32>;
+using Digest = std::array<std::uint8_t, 32>;  // HMAC-SHA256
+
+struct Challenge {
+  std::array<char, 8> magic;
+  std::uint32_t version;
+  std::uint32_t reserved;
+  std::uint64_t key;
+  Nonce nonce;
+};
+struct ProofMessage {
+  std::array<char, 8> magic;
+  std::uint32_t version;
+  std::uint32_t reserved;
+  Digest proof;  // client_proof(token, server nonce, key)
+  Nonce nonce;
+};
+struct Welcome {
+  Digest proof;  // server_proof(token, peer nonce, key)
+  std::uint32_t channel_bytes;
+  std::array<char, 252> channel;  // the served channel's name
+};
+struct BucketAnnounce {
+  std::uint64_t ordinal;      // 1, 2, ... on this link; acknowledged by Ack
+  std::uint64_t sequence;     // in the served channel
+  std::uint64_t incarnation;  // of the served channel's producer
+  std::uint64_t payload_bytes;
+  std::uint64_t payload_xxh3;  // always: checked after the transfer
+  std::uint64_t frame_bytes;   // the frame that follows this announce in the same message
+};
+struct Ack {
+  std::uint64_t ordinal;
+};
+inline constexpr std::size_t kMaxRefusalBytes = 512;
+
+// Random bytes from the kernel; SystemError when it has none.
+void random_bytes(void* into, std::size_t size);
+// What each side proves it holds the token with: HMAC-SHA256 of a side's label, the other
+// side's fresh nonce and the connection's key. Neither proof can be replayed on another link.
+Digest client_proof(std::string_view token, const Nonce& server_nonce, std::uint64_t key);
+Digest server_proof(std::string_view token, const Nonce& peer_nonce, std::uint64_t key);
+bool same_digest(const Digest& a, const Digest& b) noexcept;  // in constant time
+
+}  // namespace tensorbucket::net::detail

@@ -1,0 +1,247 @@
+"""Two hosts on one machine: network namespaces joined by a veth pair, UCX's TCP transport
+between them, `tbucket serve` on one and `tbucket relay` on the other (docs/network.md).
+
+Needs root (the namespaces) and the network build of tbucket (TBUCKET names it); skipped
+otherwise. Shared memory is the machine's, so the hosts' channels have different names."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+TBUCKET = os.environ.get("TBUCKET", "")
+
+
+def tbucket_has_network():
+    if not TBUCKET or not Path(TBUCKET).exists():
+        return False
+    help_text = subprocess.run([TBUCKET, "--help"], capture_output=True, text=True).stdout
+    return "relay" in help_text
+
+
+pytestmark = pytest.mark.skipif(not tbucket_has_network(), reason="tbucket built without UCX (no serve / relay)")
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                                reason="network namespaces need root and iproute2")
+
+
+def ip(*args, check=True):
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+class Hosts:
+    """Namespaces `a` and `b`, one veth between them: 198.18.N.1 and 198.18.N.2 (RFC 2544's
+    benchmarking range, on these veths only)."""
+
+    def __init__(self, tmp_path):
+        tag = f"{os.getpid() % 100000}"
+        self.a, self.b = f"tbA{tag}", f"tbB{tag}"
+        self.veth_a, self.veth_b = f"tbva{tag}", f"tbvb{tag}"
+        subnet = os.getpid() % 250 + 1
+        self.addr_a, self.addr_b = f"198.18.{subnet}.1", f"198.18.{subnet}.2"
+        self.dir = tmp_path
+        self.procs = []
+        ip("netns", "add", self.a)
+        ip("netns", "add", self.b)
+        ip("link", "add", self.veth_a, "type", "veth", "peer", "name", self.veth_b)
+        ip("link", "set", self.veth_a, "netns", self.a)
+        ip("link", "set", self.veth_b, "netns", self.b)
+        for ns, veth, addr in ((self.a, self.veth_a, self.addr_a), (self.b, self.veth_b, self.addr_b)):
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
+            ip("-n", ns, "link", "set", veth, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        self.token = make_token(tmp_path / "token")
+        self.suffix = tag
+
+    def start(self, ns, name, *args, program=TBUCKET, env=None):
+        """tbucket ARGS in namespace `ns`, its output in NAME.out / NAME.err."""
+        env = dict(os.environ, UCX_TLS="tcp", **(env or {}))
+        out = open(self.dir / f"{name}.out", "w")
+        err = open(self.dir / f"{name}.err", "w")
+        proc = subprocess.Popen(["ip", "netns", "exec", ns, program, *args], stdout=out, stderr=err, env=env)
+        proc.name = name
+        self.procs.append(proc)
+        return proc
+
+    def lines(self, name):
+        return (self.dir / f"{name}.out").read_text().splitlines()
+
+    def text(self, name):
+        return (self.dir / f"{name}.err").read_text()
+
+    def link(self, up):
+        ip("-n", self.a, "link", "set", self.veth_a, "up" if up else "down")
+
+    def close(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        ip("netns", "del", self.a, check=False)
+        ip("netns", "del", self.b, check=False)
+
+
+def make_token(path):
+    path.write_bytes(os.urandom(24).hex().encode())
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    h = Hosts(tmp_path)
+    yield h
+    h.close()
+
+
+def wait_for(condition, seconds, what):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    pytest.fail(f"timed out after {seconds} s waiting for {what}")
+
+
+def buckets(h, name):
+    """The consumer's JSON lines, each checked: verified, and newer than the one before."""
+    seen = [json.loads(line) for line in h.lines(name) if line.startswith("{")]
+    for line in seen:
+        assert line["ok"], f"{name}: bucket {line} failed verification"
+    versions = [line["version"] for line in seen]
+    assert versions == sorted(set(versions)), f"{name}: a bucket came twice or out of order: {versions}"
+    return versions
+
+
+@needs_root
+def test_trainer_relay_two_servers_every_byte_verified(hosts):
+    h, count, port = hosts, 1000, 17001
+    up, down = f"up{h.suffix}", f"down{h.suffix}"
+    servers = [h.start(h.b, f"server{i}", "consume", "--channel", down, "--buckets", str(count), "--verify",
+                       "--json", "--quiet", "--timeout-ms", "60000") for i in range(2)]
+    h.start(h.b, "relay", "relay", "--connect", f"{h.addr_a}:{port}", "--channel", up, "--as", down,
+            "--token-file", str(h.token), "--consumers", "2", "--buckets", str(count))
+    h.start(h.a, "trainer", "produce", "--channel", up, "--buckets", str(count), "--tensors", "16",
+            "--tensor-bytes", "1024", "--quiet", "--timeout-ms", "60000")
+    h.start(h.a, "serve", "serve", "--channel", up, "--listen", f"{h.addr_a}:{port}", "--token-file", str(h.token))
+    for server in servers:
+        assert server.wait(timeout=120) == 0, h.text(server.name)
+    for server in servers:
+        assert buckets(h, server.name) == list(range(count))
+
+
+@needs_root
+def test_wrong_token_is_refused(hosts):
+    h, port = hosts, 17002
+    up = f"up{h.suffix}"
+    h.start(h.a, "trainer", "produce", "--channel", up, "--buckets", "5", "--quiet", "--timeout-ms", "30000")
+    h.start(h.a, "serve", "serve", "--channel", up, "--listen", f"{h.addr_a}:{port}", "--token-file", str(h.token))
+    wrong = make_token(h.dir / "wrong")
+    wait_for(lambda: "on " in h.text("serve"), 15, "serve to listen")
+    relay = h.start(h.b, "relay", "relay", "--connect", f"{h.addr_a}:{port}", "--channel", up, "--as",
+                    f"down{h.suffix}", "--token-file", str(wrong))
+    assert relay.wait(timeout=30) == 9, h.text("relay")
+    assert "Unauthorized" in h.text("relay")
+    assert "wrong token" in h.text("serve")
+    # A token file others may read is refused before anything is sent.
+    wrong.chmod(0o644)
+    relay = h.start(h.b, "relay2", "relay", "--connect", f"{h.addr_a}:{port}", "--channel", up,
+                    "--token-file", str(wrong))
+    assert relay.wait(timeout=30) == 6, h.text("relay2")
+
+
+@needs_root
+def test_killed_relay_serve_and_link_resume_without_torn_or_stale_buckets(hosts):
+    h, count, port = hosts, 4000, 17003
+    up, down = f"up{h.suffix}", f"down{h.suffix}"
+    relay_args = ["relay", "--connect", f"{h.addr_a}:{port}", "--channel", up, "--as", down, "--token-file",
+                  str(h.token), "--idle-timeout-ms", "1500", "--consumers", "0"]
+    serve_args = ["serve", "--channel", up, "--listen", f"{h.addr_a}:{port}", "--token-file", str(h.token),
+                  "--peer-timeout-ms", "2000"]
+    servers = [h.start(h.b, f"server{i}", "consume", "--channel", down, "--follow", "--verify", "--json",
+                       "--quiet", "--timeout-ms", "120000") for i in range(2)]
+    relay = h.start(h.b, "relay", *relay_args)
+    trainer = h.start(h.a, "trainer", "produce", "--channel", up, "--buckets", str(count), "--tensors", "8",
+                      "--tensor-bytes", "4096", "--interval-ms", "2", "--quiet", "--timeout-ms", "60000")
+    serve = h.start(h.a, "serve", *serve_args)
+    got = lambda n: lambda: all(len(h.lines(s.name)) >= n for s in servers)
+
+    wait_for(got(200), 60, "the first buckets")
+    relay.kill()
+    relay.wait()
+    relay = h.start(h.b, "relay-again", *relay_args)
+    wait_for(got(len(h.lines("server0")) + 200), 60, "buckets after the relay restarted")
+
+    serve.kill()
+    serve.wait()
+    serve = h.start(h.a, "serve-again", *serve_args)
+    wait_for(got(len(h.lines("server0")) + 200), 60, "buckets after the serve side restarted")
+
+    h.link(False)
+    time.sleep(3)
+    h.link(True)
+    assert trainer.poll() is None, "the trainer ended before the link came back: lower its pace"
+    wait_for(got(len(h.lines("server0")) + 200), 60, "buckets after the link came back")
+
+    assert trainer.wait(timeout=120) == 0, h.text("trainer")
+    wait_for(lambda: all(buckets(h, s.name)[-1:] == [count - 1] for s in servers), 60, "the last bucket")
+    for server in servers:
+        versions = buckets(h, server.name)
+        assert len(versions) > count // 4, f"{server.name} got only {len(versions)} buckets"
+
+
+@needs_root
+def test_a_byte_corrupted_on_the_wire_is_caught_by_the_payload_hash(hosts):
+    h, count, port, bad = hosts, 60, 17004, 20
+    up, down = f"up{h.suffix}", f"down{h.suffix}"
+    server = h.start(h.b, "server", "consume", "--channel", down, "--verify", "--json", "--quiet", "--timeout-ms",
+                     "5000")
+    h.start(h.b, "relay", "relay", "--connect", f"{h.addr_a}:{port}", "--channel", up, "--as", down,
+            "--token-file", str(h.token))
+    h.start(h.a, "trainer", "produce", "--channel", up, "--buckets", str(count), "--tensors", "4",
+            "--tensor-bytes", "65536", "--quiet", "--timeout-ms", "30000")
+    h.start(h.a, "serve", "serve", "--channel", up, "--listen", f"{h.addr_a}:{port}", "--token-file", str(h.token),
+            program=os.environ["TBUCKET_WIRE_FAULT_BUILD"], env={"TBUCKET_WIRE_FAULT": str(bad)})
+    wait_for(lambda: buckets(h, "server")[-1:] == [count - 1], 60, "the last bucket")
+    versions = buckets(h, "server")
+    assert bad not in versions and bad - 1 in versions, versions
+    assert "ChecksumMismatch" in h.text("relay"), h.text("relay")
+    server.send_signal(signal.SIGTERM)
+
+
+def test_same_host_through_shared_memory_transports(tmp_path):
+    """No namespaces: UCX picks its shared-memory transports between the two processes."""
+    token = make_token(tmp_path / "token")
+    tag, count = os.getpid(), 200
+    up, down = f"sameup{tag}", f"samedown{tag}"
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("server", "relay", "trainer", "serve")}
+    run = lambda name, *args: subprocess.Popen([TBUCKET, *args], stdout=logs[name], stderr=subprocess.STDOUT)
+    procs = [
+        run("server", "consume", "--channel", down, "--buckets", str(count), "--verify", "--json", "--quiet",
+            "--timeout-ms", "60000"),
+        run("relay", "relay", "--connect", "127.0.0.1:17005", "--channel", up, "--as", down, "--token-file",
+            str(token), "--buckets", str(count)),
+        run("trainer", "produce", "--channel", up, "--buckets", str(count), "--tensors", "16", "--tensor-bytes",
+            "65536", "--quiet", "--timeout-ms", "60000"),
+        run("serve", "serve", "--channel", up, "--listen", "127.0.0.1:17005", "--token-file", str(token)),
+    ]
+    try:
+        assert procs[0].wait(timeout=120) == 0, (tmp_path / "server.log").read_text()
+        lines = [json.loads(line) for line in (tmp_path / "server.log").read_text().splitlines()
+                 if line.startswith("{")]
+        assert [line["version"] for line in lines] == list(range(count))
+        assert all(line["ok"] for line in lines)
+        assert procs[1].wait(timeout=30) == 0, (tmp_path / "relay.log").read_text()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=15)
