@@ -1,5 +1,7 @@
 // The receiving side: a bucket at a time from a Server, verified before it is handed out.
 #include <cstring>
+#include <list>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -20,32 +22,34 @@ constexpr double kSlowestBytesPerMs = 10e3;  // 10 MB/s
 
 }  // namespace
 
+// An acknowledgement under way: a list entry, so its bytes never move.
+struct PendingAck {
+  Ack ack;
+  Request request;
+};
+
 struct RemoteState {
   std::string address;
   std::string channel;  // the one served
   ConnectOptions options;
+  // Buffers UCX may still write into until the worker is gone: declared before it.
+  std::vector<std::byte> message;
+  std::shared_ptr<AlignedBuffer> buffer;
+  std::list<PendingAck> acks;
   Worker worker;
   Endpoint endpoint;
   std::uint64_t key = 0;
   Clock::time_point last_heard = Clock::now();
   std::uint64_t ordinal = 0;  // of the last bucket taken
   std::optional<std::pair<std::uint64_t, std::uint64_t>> last;  // (incarnation, sequence) taken
-  std::vector<std::byte> message;
-  std::shared_ptr<AlignedBuffer> buffer;
   ManifestCache cache;
-  std::vector<Request> acks;
-  Ack ack{};
   bool broken = false;
 
   RemoteState(std::string_view where, const ConnectOptions& connect) : address(where), options(connect) {}
-  ~RemoteState() {
-    acks.clear();
-    detail::close(worker, endpoint, kCloseLimit);
-  }
+  ~RemoteState() { detail::close(worker, endpoint, kCloseLimit); }
 
   [[noreturn]] void lost(const std::string& why) {
     broken = true;
-    acks.clear();
     detail::close(worker, endpoint, kCloseLimit);
     throw Error(ErrorCode::NetworkError, "link to " + address + ": " + why);
   }
@@ -56,18 +60,22 @@ struct RemoteState {
     if (endpoint.failed == UCS_OK) return;
     std::size_t length = 0;
     if (auto* found = probe(worker.get(), tag(Kind::Refused), kAllBits, &length)) {
-      std::string why(std::min(length, kMaxRefusalBytes), '\0');
-      auto receiving = receive(worker.get(), found, std::as_writable_bytes(std::span(why)));
-      for (int turns = 0; turns < 1000 && !receiving.done(); ++turns) worker.progress();
-      if (length <= kMaxRefusalBytes) refused(why);
+      message.resize(std::min(length, kMaxRefusalBytes));
+      auto receiving = receive(worker.get(), found, message);
+      if (length <= kMaxRefusalBytes && receiving.done()) refused(message);
     }
     lost(std::string("failed: ") + ucs_status_string(endpoint.failed));
   }
 
-  [[noreturn]] void refused(const std::string& why) {
+  // A Refused message: Unauthorized for a wrong token (trying again will not help), else
+  // NetworkError (the server was full, or this side too slow).
+  [[noreturn]] void refused(std::span<const std::byte> message) {
     broken = true;
     detail::close(worker, endpoint, kCloseLimit);
-    throw Error(ErrorCode::Unauthorized, "refused by " + address + ": " + why);
+    std::string why = message.size() > 1 ? std::string(reinterpret_cast<const char*>(message.data()) + 1, message.size() - 1)
+                                         : "no reason given";
+    bool wrong_token = !message.empty() && message[0] == static_cast<std::byte>(Refusal::WrongToken);
+    throw Error(wrong_token ? ErrorCode::Unauthorized : ErrorCode::NetworkError, "refused by " + address + ": " + why);
   }
 
   // The next message of `kind` taken whole into `into` (resized to it), waiting until `until`;
@@ -111,9 +119,7 @@ struct RemoteState {
 
   void refused_or_silent() {
     std::vector<std::byte> why;
-    if (take(Kind::Refused, why, kMaxRefusalBytes, Clock::now())) {
-      refused(std::string(reinterpret_cast<const char*>(why.data()), why.size()));
-    }
+    if (take(Kind::Refused, why, kMaxRefusalBytes, Clock::now())) refused(why);
     if (Clock::now() - last_heard > options.idle_timeout) {
       lost("no word for " + std::to_string(options.idle_timeout.count()) + " ms");
     }
@@ -159,11 +165,11 @@ struct RemoteState {
     last_heard = Clock::now();
   }
 
-  std::optional<RemoteBucket> next(Clock::time_point until, const VerifyOptions& verify) {
+  std::optional<RemoteBucket> next(Clock::time_point until, const VerifyOptions& verify, const PayloadPlace& place) {
     if (broken) throw Error(ErrorCode::NetworkError, "link to " + address + " is closed: connect again");
     constexpr std::size_t kMaxMessage = sizeof(BucketAnnounce) + sizeof(BucketHeader) + kMaxManifestBytes;
     for (;;) {
-      std::erase_if(acks, [](Request& request) { return request.done(); });
+      acks.remove_if([](PendingAck& pending) { return pending.request.done(); });
       skip_heartbeats();
       if (take(Kind::Bucket, message, kMaxMessage, std::min(until, Clock::now() + 50ms))) break;
       refused_or_silent();
@@ -182,11 +188,32 @@ struct RemoteState {
     if (last && last->first == announce.incarnation && announce.sequence <= last->second) {
       lost("bucket " + std::to_string(announce.sequence) + " came after bucket " + std::to_string(last->second));
     }
-    if (!buffer || buffer.use_count() != 1 || buffer->size() < announce.payload_bytes) {
-      buffer.reset();  // before the new one: two of the largest buckets need not fit at once
-      buffer = std::make_shared<AlignedBuffer>(announce.payload_bytes);
+    auto frame = std::span<const std::byte>(message).subspan(sizeof announce);
+    std::span<std::byte> payload;
+    if (place && announce.payload_bytes > 0) {
+      std::span<std::byte> given;
+      try {
+        given = place(announce.payload_bytes, frame);
+      } catch (...) {
+        broken = true;  // the payload stays unread on the link
+        detail::close(worker, endpoint, kCloseLimit);
+        throw;
+      }
+      if (given.size() >= announce.payload_bytes) payload = given.first(announce.payload_bytes);
     }
-    auto payload = buffer->span().first(announce.payload_bytes);
+    std::shared_ptr<void> owner;  // none when the payload is the caller's
+    if (payload.empty()) {
+      if (!buffer || buffer.use_count() != 1 || buffer->size() < announce.payload_bytes) {
+        buffer.reset();  // before the new one: two of the largest buckets need not fit at once
+        try {
+          buffer = std::make_shared<AlignedBuffer>(announce.payload_bytes);
+        } catch (const std::bad_alloc&) {
+          lost("no memory for a payload of " + std::to_string(announce.payload_bytes) + " bytes");
+        }
+      }
+      payload = buffer->span().first(announce.payload_bytes);
+      owner = buffer;
+    }
     if (!payload.empty()) {
       auto allowance = std::chrono::milliseconds(static_cast<std::int64_t>(payload.size() / kSlowestBytesPerMs));
       auto deadline = Clock::now() + options.idle_timeout + allowance;
@@ -204,7 +231,6 @@ struct RemoteState {
       wait_for(receiving, deadline);
       last_heard = Clock::now();
     }
-    auto frame = std::span<const std::byte>(message).subspan(sizeof announce);
     if (auto hash = xxh3(payload); hash != announce.payload_xxh3) {
       broken = true;
       detail::close(worker, endpoint, kCloseLimit);
@@ -221,9 +247,10 @@ struct RemoteState {
     }
     ordinal = announce.ordinal;
     last = {announce.incarnation, announce.sequence};
-    ack.ordinal = ordinal;
-    acks.push_back(send(worker.get(), endpoint.ep, std::as_bytes(std::span(&ack, 1)), tag(Kind::Ack, key)));
-    return RemoteBucket(std::move(*view), announce.sequence, announce.incarnation, buffer);
+    auto& pending = acks.emplace_back();
+    pending.ack.ordinal = ordinal;
+    pending.request = send(worker.get(), endpoint.ep, std::as_bytes(std::span(&pending.ack, 1)), tag(Kind::Ack, key));
+    return RemoteBucket(std::move(*view), announce.sequence, announce.incarnation, std::move(owner));
   }
 };
 
@@ -245,10 +272,11 @@ RemoteSubscriber::RemoteSubscriber(RemoteSubscriber&&) noexcept = default;
 RemoteSubscriber& RemoteSubscriber::operator=(RemoteSubscriber&&) noexcept = default;
 RemoteSubscriber::~RemoteSubscriber() = default;
 
-std::optional<RemoteBucket> RemoteSubscriber::next(std::chrono::milliseconds timeout, const VerifyOptions& options) {
+std::optional<RemoteBucket> RemoteSubscriber::next(std::chrono::milliseconds timeout, const VerifyOptions& options,
+                                                   const PayloadPlace& place) {
   if (!state_) throw Error(ErrorCode::InvalidArgument, "next() on a moved-from RemoteSubscriber");
   auto limit = std::min(timeout, std::chrono::milliseconds(std::chrono::hours(24 * 365)));
-  return state_->next(detail::Clock::now() + limit, options);
+  return state_->next(detail::Clock::now() + limit, options, place);
 }
 
 const std::string& RemoteSubscriber::address() const noexcept { return state_->address; }

@@ -2,7 +2,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <array>
 #include <list>
+#include <memory>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -19,10 +21,20 @@ namespace {
 
 using namespace std::chrono_literals;
 
-constexpr auto kProofTimeout = 5s;       // to send its proof after connecting
+constexpr auto kProofTimeout = 3s;       // to send its proof after connecting
+constexpr std::size_t kMaxPending = 8;   // connections that have not proved the token yet
 constexpr auto kHeartbeatEvery = 500ms;  // to an idle peer, so that it can tell a dead link
 constexpr auto kCloseLimit = 1s;
+constexpr auto kRefusalGrace = 1s;       // for a refusal to reach its peer before the link closes
 constexpr auto kLocalSlice = 1ms;        // a wait on the local channel, between network looks
+constexpr double kSlowestBytesPerMs = 10e3;  // a bucket's payload may take its size at 10 MB/s
+constexpr int kMessagesPerTurn = 64;
+
+// A small message under way and the bytes it sends: a list entry, so the bytes never move.
+struct Small {
+  std::vector<std::byte> bytes;
+  Request request;
+};
 
 struct Peer {
   Endpoint endpoint;  // its address is the error handler's argument: a Peer never moves
@@ -35,25 +47,42 @@ struct Peer {
   Clock::time_point last_sent = Clock::now();
   std::uint64_t sent = 0, acked = 0;  // bucket ordinals
   Clock::time_point stalled_since{};  // when its window filled while a bucket waited
-  std::vector<Request> sending;       // the current bucket's messages and small ones
-  std::vector<std::vector<std::byte>> small;  // bytes of small messages under way
-  std::string problem;                        // set: drop it
-  bool refused = false;                       // told why: the link is flushed before it is closed
+  std::vector<std::byte> announce;    // the current bucket's announce and frame, for this peer
+  std::vector<Request> bucket_sends;  // the current bucket's messages
+  std::list<Small> small;             // challenge, welcome, refusal, heartbeats
+  std::string problem;                // set: drop it
+  Clock::time_point close_by{};       // refused: closed once told, or at this time
+
+  bool live() const { return problem.empty(); }
+  bool serving() const { return authenticated && live(); }
 };
+
+// Finished requests leave; false while any is under way. A failed one fails the peer.
+bool settle(Peer& peer) {
+  try {
+    std::erase_if(peer.bucket_sends, [](Request& request) { return request.done(); });
+    peer.small.remove_if([](Small& small) { return small.request.done(); });
+  } catch (const Error& e) {
+    if (peer.problem.empty()) peer.problem = e.what();
+  }
+  return peer.bucket_sends.empty() && peer.small.empty();
+}
 
 }  // namespace
 
 struct ServerState {
   ServeOptions options;
   Subscriber subscriber;
+  // Buffers UCX may still write into until the worker is gone: declared before it.
+  std::vector<std::byte> staged;                         // a device bucket's payload, on the host
+  std::array<std::byte, 64> discard{};                   // what hear() throws away; never read
+  std::vector<std::unique_ptr<std::byte[]>> lingering;   // receives hear() gave up on
   Worker worker;
   ucp_listener_h listener = nullptr;
   std::vector<ucp_conn_request_h> incoming;  // filled by the listener's callback
   std::list<Peer> peers;                     // a list: peers keep their addresses
   std::optional<ReceivedBucket> current;     // being sent; its lease held until every send is done
-  std::vector<std::byte> message;            // the current bucket's announce and frame
-  std::vector<std::byte> staged;             // a device bucket's payload, on the host
-  Clock::time_point current_since{};
+  Clock::time_point current_deadline{};
   std::uint64_t served = 0;
   std::string address;
 
@@ -71,8 +100,14 @@ struct ServerState {
   void log(const std::string& line) const { std::fprintf(stderr, "tbucket serve: %s\n", line.c_str()); }
 
   void send_small(Peer& peer, Kind kind, const void* bytes, std::size_t size) {
-    auto& copy = peer.small.emplace_back(static_cast<const std::byte*>(bytes), static_cast<const std::byte*>(bytes) + size);
-    peer.sending.push_back(send(worker.get(), peer.endpoint.ep, copy, tag(kind)));
+    if (peer.endpoint.failed != UCS_OK) return;  // drop_failed() tells why
+    auto& small = peer.small.emplace_back();
+    small.bytes.assign(static_cast<const std::byte*>(bytes), static_cast<const std::byte*>(bytes) + size);
+    try {
+      small.request = send(worker.get(), peer.endpoint.ep, small.bytes, tag(kind));
+    } catch (const Error& e) {
+      if (peer.problem.empty()) peer.problem = e.what();
+    }
   }
 
   void admit() {
@@ -80,8 +115,11 @@ struct ServerState {
       ucp_conn_request_attr_t attr{};
       attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
       std::string from = ucp_conn_request_query(request, &attr) == UCS_OK ? to_string(attr.client_address) : "?";
-      if (peers.size() >= options.max_peers) {
-        log("refused " + from + ": " + std::to_string(options.max_peers) + " peers already (max_peers)");
+      std::size_t serving = 0, pending = 0;
+      for (const auto& peer : peers) (peer.authenticated ? serving : pending) += 1;
+      if (serving >= options.max_peers || pending >= kMaxPending) {
+        log("turned " + from + " away: " + (pending >= kMaxPending ? std::to_string(kMaxPending) + " connections proving the token already"
+                                                                   : std::to_string(options.max_peers) + " peers already (max_peers)"));
         ucp_listener_reject(listener, request);
         continue;
       }
@@ -100,88 +138,111 @@ struct ServerState {
     }
   }
 
-  void refuse(Peer& peer, const std::string& why) {
+  void refuse(Peer& peer, Refusal reason, const std::string& why) {
     log("refused " + peer.from + ": " + why);
-    send_small(peer, Kind::Refused, why.data(), std::min(why.size(), kMaxRefusalBytes));
+    std::vector<std::byte> message(1 + std::min(why.size(), kMaxRefusalBytes - 1));
+    message[0] = static_cast<std::byte>(reason);
+    std::memcpy(message.data() + 1, why.data(), message.size() - 1);
+    send_small(peer, Kind::Refused, message.data(), message.size());
     peer.problem = why;
-    peer.refused = true;
+    peer.close_by = Clock::now() + kRefusalGrace;
   }
 
-  // Reads what the peer sent: its proof, its acknowledgements.
-  void hear(Peer& peer) {
-    std::size_t length = 0;
-    if (!peer.authenticated) {
-      auto* message = probe(worker.get(), tag(Kind::Proof, peer.key), kAllBits, &length);
-      if (message == nullptr) {
-        if (Clock::now() - peer.since > kProofTimeout) refuse(peer, "no proof of the token within 5 s");
-        return;
-      }
-      ProofMessage proof{};
-      std::vector<std::byte> bytes(std::min(length, sizeof proof));
-      auto receiving = receive(worker.get(), message, bytes);
-      while (!receiving.done()) worker.progress();  // a message this small came whole
-      if (length != sizeof proof) return refuse(peer, "a malformed proof");
-      std::memcpy(&proof, bytes.data(), sizeof proof);
-      if (proof.magic != kMagic || proof.version != kProtocolVersion) {
-        return refuse(peer, "protocol version " + std::to_string(proof.version) + ", not " +
-                                std::to_string(kProtocolVersion));
-      }
-      if (!same_digest(proof.proof, client_proof(options.token, peer.nonce, peer.key))) {
-        return refuse(peer, "wrong token");
-      }
-      Welcome welcome{server_proof(options.token, proof.nonce, peer.key), 0, {}};
-      const auto& name = subscriber.channel();
-      welcome.channel_bytes = static_cast<std::uint32_t>(std::min(name.size(), welcome.channel.size()));
-      std::memcpy(welcome.channel.data(), name.data(), welcome.channel_bytes);
-      send_small(peer, Kind::Welcome, &welcome, sizeof welcome);
-      peer.authenticated = true;
-      peer.last_sent = Clock::now();
-      log("serving " + peer.from + " from the next update");
-      return;
+  void welcome(Peer& peer, const ProofMessage& proof) {
+    if (proof.magic != kMagic || proof.version != kProtocolVersion) {
+      return refuse(peer, Refusal::Other, "protocol version " + std::to_string(proof.version) + ", not " +
+                                              std::to_string(kProtocolVersion));
     }
-    while (auto* message = probe(worker.get(), tag(Kind::Ack, peer.key), kAllBits, &length)) {
-      Ack ack{};
-      std::vector<std::byte> bytes(std::min(length, sizeof ack));
-      auto receiving = receive(worker.get(), message, bytes);
-      while (!receiving.done()) worker.progress();
-      std::memcpy(&ack, bytes.data(), bytes.size());
-      if (length != sizeof ack || ack.ordinal > peer.sent || ack.ordinal < peer.acked) {
-        peer.problem = "a malformed acknowledgement";
-        return;
-      }
-      peer.acked = ack.ordinal;
+    if (!same_digest(proof.proof, client_proof(options.token, peer.nonce, peer.key))) {
+      return refuse(peer, Refusal::WrongToken, "wrong token");
     }
+    Welcome welcome{server_proof(options.token, proof.nonce, peer.key), 0, {}};
+    const auto& name = subscriber.channel();
+    welcome.channel_bytes = static_cast<std::uint32_t>(std::min(name.size(), welcome.channel.size()));
+    std::memcpy(welcome.channel.data(), name.data(), welcome.channel_bytes);
+    send_small(peer, Kind::Welcome, &welcome, sizeof welcome);
+    peer.authenticated = true;
+    peer.last_sent = Clock::now();
+    log("serving " + peer.from + " from the next update");
   }
 
-  // Finished sends leave the list; a failed one drops the peer.
-  static bool sent_all(Peer& peer) {
-    try {
-      std::erase_if(peer.sending, [](Request& request) { return request.done(); });
-    } catch (const Error& e) {
-      peer.problem = e.what();
+  // Every message peers sent: proofs and acknowledgements, each the exact size, from the peer
+  // whose key it carries. Anything else is taken off the queue (so that nothing piles up in
+  // it) and fails the peer whose key it carries. A message not here whole at once came by
+  // rendezvous, which no honest peer uses for these: its sender is failed too.
+  void hear() {
+    for (int turn = 0; turn < kMessagesPerTurn; ++turn) {
+      std::size_t length = 0;
+      ucp_tag_t sender_tag = 0;
+      auto* message = probe(worker.get(), 0, 0, &length, &sender_tag);
+      if (message == nullptr) return;
+      auto kind = static_cast<Kind>(sender_tag >> 56);
+      Peer* peer = nullptr;
+      for (auto& candidate : peers) {
+        if (candidate.key == (sender_tag & kKeyMask) && candidate.live()) peer = &candidate;
+      }
+      std::size_t expected = !peer                                            ? 0
+                             : kind == Kind::Proof && !peer->authenticated ? sizeof(ProofMessage)
+                             : kind == Kind::Ack && peer->authenticated    ? sizeof(Ack)
+                                                                           : 0;
+      bool wanted = expected != 0 && length == expected;
+      auto into = wanted ? std::make_unique<std::byte[]>(expected) : nullptr;
+      bool whole = false;
+      try {
+        auto receiving = receive(worker.get(), message,
+                                 wanted ? std::span(into.get(), expected) : std::span(discard).first(std::min(length, discard.size())));
+        whole = receiving.done();
+      } catch (const Error&) {
+        whole = false;  // truncated, or failed
+      }
+      if (wanted && !whole) lingering.push_back(std::move(into));  // UCX may still write there
+      if (peer == nullptr) continue;
+      if (!wanted || !whole) {
+        peer->problem = "sent a message it should not have (tag kind " + std::to_string(static_cast<int>(kind)) +
+                        ", " + std::to_string(length) + " bytes)";
+        continue;
+      }
+      if (kind == Kind::Proof) {
+        ProofMessage proof{};
+        std::memcpy(&proof, into.get(), sizeof proof);
+        welcome(*peer, proof);
+      } else {
+        Ack ack{};
+        std::memcpy(&ack, into.get(), sizeof ack);
+        if (ack.ordinal > peer->sent || ack.ordinal < peer->acked) {
+          peer->problem = "acknowledged bucket " + std::to_string(ack.ordinal) + " of " + std::to_string(peer->sent);
+        } else {
+          peer->acked = ack.ordinal;
+        }
+      }
     }
-    if (peer.sending.empty()) peer.small.clear();
-    return peer.sending.empty();
   }
 
   void drop_failed() {
+    auto now = Clock::now();
     for (auto it = peers.begin(); it != peers.end();) {
-      if (it->endpoint.failed != UCS_OK && it->problem.empty()) {
-        it->problem = std::string("the link failed: ") + ucs_status_string(it->endpoint.failed);
+      auto& peer = *it;
+      if (peer.endpoint.failed != UCS_OK && peer.problem.empty()) {
+        peer.problem = std::string("the link failed: ") + ucs_status_string(peer.endpoint.failed);
       }
-      if (it->problem.empty()) {
+      if (!peer.authenticated && peer.live() && now - peer.since > kProofTimeout) {
+        refuse(peer, Refusal::Other, "no proof of the token within " + std::to_string(kProofTimeout.count()) + " s");
+      }
+      bool refused = peer.close_by != Clock::time_point{};
+      if (peer.live() || (refused && !settle(peer) && now < peer.close_by && peer.endpoint.failed == UCS_OK)) {
         ++it;
         continue;
       }
-      if (it->authenticated) log("dropped " + it->from + ": " + it->problem);
-      detail::close(worker, it->endpoint, kCloseLimit, it->refused);
+      if (peer.authenticated) log("dropped " + peer.from + ": " + peer.problem);
+      // By force: whatever is still under way on it ends here, before its buffers go.
+      detail::close(worker, peer.endpoint, kCloseLimit);
       it = peers.erase(it);
     }
   }
 
-  bool has_room(Peer& peer) const { return peer.sent - peer.acked < options.window; }
+  bool has_room(const Peer& peer) const { return peer.sent - peer.acked < options.window; }
 
-  // Sends `current` to every authenticated peer in the game (joined, or joining at an update's start).
+  // Sends `current` to every peer in the game: joined, or joining at an update's start.
   void send_current() {
     auto& bucket = *current;
     const auto& view = bucket.view();
@@ -202,71 +263,73 @@ struct ServerState {
       payload = staged;
     }
 #endif
-    message.resize(sizeof announce + frame.size());
-    std::memcpy(message.data() + sizeof announce, frame.data(), frame.size());
+    bool sent = false;
     for (auto& peer : peers) {
-      if (!peer.authenticated || !peer.problem.empty()) continue;
-      if (!peer.joined && view.bucket_index() != 0) continue;
+      if (!peer.serving() || (!peer.joined && view.bucket_index() != 0)) continue;
       peer.joined = true;
       announce.ordinal = ++peer.sent;
-      // Each peer's announce differs by its ordinal: the message is rewritten for each, so
-      // every send below must have copied it (eager) or be a private copy.
-      auto& copy = peer.small.emplace_back(message);
-      std::memcpy(copy.data(), &announce, sizeof announce);
+      peer.announce.resize(sizeof announce + frame.size());
+      std::memcpy(peer.announce.data(), &announce, sizeof announce);
+      std::memcpy(peer.announce.data() + sizeof announce, frame.data(), frame.size());
       try {
-        peer.sending.push_back(send(worker.get(), peer.endpoint.ep, copy, tag(Kind::Bucket)));
-        if (!payload.empty()) peer.sending.push_back(send(worker.get(), peer.endpoint.ep, payload, tag(Kind::Payload)));
+        peer.bucket_sends.push_back(send(worker.get(), peer.endpoint.ep, peer.announce, tag(Kind::Bucket)));
+        if (!payload.empty()) peer.bucket_sends.push_back(send(worker.get(), peer.endpoint.ep, payload, tag(Kind::Payload)));
       } catch (const Error& e) {
         peer.problem = e.what();
       }
       peer.last_sent = Clock::now();
+      sent = true;
     }
-    ++served;
+    served += sent ? 1 : 0;
+    auto allowance = std::chrono::milliseconds(static_cast<std::int64_t>(payload.size() / kSlowestBytesPerMs));
+    current_deadline = Clock::now() + options.peer_timeout + allowance;
   }
 
-  // One turn of the loop; true when it did something.
-  bool turn() {
-    worker.progress();
-    admit();
-    for (auto& peer : peers) {
-      if (peer.problem.empty()) hear(peer);
-      if (peer.problem.empty()) sent_all(peer);
-    }
+  void heartbeats() {
     auto now = Clock::now();
-    if (current) {
-      bool done = true;
-      for (auto& peer : peers) {
-        if (peer.problem.empty() && !sent_all(peer)) {
-          done = false;
-          if (now - current_since > options.peer_timeout) {
-            peer.problem = "took no bucket within " + std::to_string(options.peer_timeout.count()) + " ms";
-          }
-        }
-      }
-      drop_failed();
-      if (!done) {
-        std::this_thread::yield();  // the transfer needs this thread's progress calls: no sleep
-        return false;
-      }
-      current.reset();  // every send is done: the slot's bytes are no longer read
-      return true;
-    }
     for (auto& peer : peers) {
-      if (peer.authenticated && peer.problem.empty() && peer.sending.empty() && now - peer.last_sent > kHeartbeatEvery) {
+      if (peer.serving() && peer.bucket_sends.empty() && now - peer.last_sent > kHeartbeatEvery) {
         std::uint64_t beat = 0;
         send_small(peer, Kind::Heartbeat, &beat, sizeof beat);
         peer.last_sent = now;
       }
     }
+  }
+
+  // One turn of the loop.
+  void turn() {
+    worker.progress();
+    admit();
+    hear();
+    for (auto& peer : peers) settle(peer);
+    heartbeats();
+    auto now = Clock::now();
+    if (current) {
+      bool done = true;
+      for (auto& peer : peers) {
+        if (!peer.live() || peer.bucket_sends.empty()) continue;
+        done = false;
+        if (now > current_deadline) {
+          peer.problem = "took no bucket within " + std::to_string(options.peer_timeout.count()) + " ms";
+        }
+      }
+      drop_failed();
+      if (!done) {
+        // The transfer goes on only in this thread's progress calls: they run back to back.
+        std::this_thread::yield();
+        return;
+      }
+      current.reset();  // every send is done: the slot's bytes are no longer read
+    }
     // No bucket is taken while no peer is there to take it: a producer waits for the first
     // relay as it waits for any consumer (under `Block`), and a relay starts at the oldest
-    // update the channel still holds.
-    bool any_peer = false;
-    for (auto& peer : peers) any_peer = any_peer || (peer.authenticated && peer.problem.empty());
-    // A peer whose window is full holds the next bucket back, peer_timeout at most.
-    bool all_room = any_peer;
+    // update the channel still holds. A peer whose window is full holds the next bucket
+    // back, peer_timeout at most.
+    bool any_peer = false, all_room = true;
     for (auto& peer : peers) {
-      if (!peer.authenticated || !peer.problem.empty() || has_room(peer)) {
+      if (!peer.serving()) continue;
+      any_peer = true;
+      if (has_room(peer)) {
         peer.stalled_since = {};
         continue;
       }
@@ -278,16 +341,14 @@ struct ServerState {
       }
     }
     drop_failed();
-    if (!all_room) {
+    if (!any_peer || !all_room) {
       worker.wait(kLocalSlice);
-      return false;
+      return;
     }
     auto bucket = subscriber.next(kLocalSlice);
-    if (!bucket) return false;
+    if (!bucket) return;
     current = std::move(bucket);
-    current_since = Clock::now();
     send_current();
-    return true;
   }
 };
 

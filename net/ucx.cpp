@@ -101,17 +101,14 @@ Worker::Worker() {
 
 Worker::~Worker() {
   // Messages nobody read (a heartbeat, a bucket under way when the link closed) are taken off
-  // the queue first: UCX warns about each one it finds there. Large ones are only truncated.
-  progress();
-  std::byte scratch[256];
+  // the queue first: UCX warns about each one it finds there. No progress is made meanwhile,
+  // so no receive still under way writes into a buffer its owner already let go of.
+  static std::byte scratch[64];  // received into only when a message is already here whole
   ucp_tag_recv_info_t info{};
   while (auto* message = ucp_tag_probe_nb(worker_, 0, 0, 1, &info)) {
     ucp_request_param_t param{};
     auto receiving = ucp_tag_msg_recv_nbx(worker_, scratch, sizeof scratch, message, &param);
-    if (UCS_PTR_IS_PTR(receiving)) {
-      for (int turns = 0; turns < 1000 && ucp_request_check_status(receiving) == UCS_INPROGRESS; ++turns) progress();
-      ucp_request_free(receiving);
-    }
+    if (UCS_PTR_IS_PTR(receiving)) ucp_request_free(receiving);
   }
   ucp_worker_destroy(worker_);
   ucp_cleanup(context_);
@@ -179,10 +176,14 @@ Request receive(ucp_worker_h worker, ucp_tag_message_h message, std::span<std::b
   return Request(worker, ucp_tag_msg_recv_nbx(worker, into.data(), into.size(), message, &param), "receiving");
 }
 
-ucp_tag_message_h probe(ucp_worker_h worker, ucp_tag_t tag, ucp_tag_t mask, std::size_t* length) noexcept {
+ucp_tag_message_h probe(ucp_worker_h worker, ucp_tag_t tag, ucp_tag_t mask, std::size_t* length,
+                        ucp_tag_t* sender_tag) noexcept {
   ucp_tag_recv_info_t info{};
   auto message = ucp_tag_probe_nb(worker, tag, mask, 1, &info);
-  if (message != nullptr) *length = info.length;
+  if (message != nullptr) {
+    *length = info.length;
+    if (sender_tag != nullptr) *sender_tag = info.sender_tag;
+  }
   return message;
 }
 

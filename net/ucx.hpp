@@ -47,9 +47,9 @@ class Worker {
   int event_fd_ = -1;
 };
 
-// A send or receive under way. Destroying one that is not done cancels it (a receive) or lets
-// UCX finish and free it (a send); either way the buffer must outlive the worker's progress
-// until done() says so, or until the endpoint was closed.
+// A send or receive under way. Destroying one that is not done lets UCX finish and free it: its
+// buffer must outlive the worker's progress until done() says so, or until its endpoint was
+// closed by force (which ends what is under way on it).
 class Request {
  public:
   Request() = default;
@@ -73,7 +73,8 @@ Request send(ucp_worker_h worker, ucp_ep_h ep, std::span<const std::byte> bytes,
 // Receives the probed message into `into`, which must hold exactly its length.
 Request receive(ucp_worker_h worker, ucp_tag_message_h message, std::span<std::byte> into);
 // Takes the next message whose tag matches `tag` under `mask` off the worker's queue, or null.
-ucp_tag_message_h probe(ucp_worker_h worker, ucp_tag_t tag, ucp_tag_t mask, std::size_t* length) noexcept;
+ucp_tag_message_h probe(ucp_worker_h worker, ucp_tag_t tag, ucp_tag_t mask, std::size_t* length,
+                        ucp_tag_t* sender_tag = nullptr) noexcept;
 
 // An endpoint whose failures (the peer gone, the link reset) set `failed` instead of aborting.
 struct Endpoint {

@@ -69,6 +69,11 @@ struct BucketAnnounce {
 struct Ack {
   std::uint64_t ordinal;
 };
+// Refused: a reason code, then text (kMaxRefusalBytes at most in all).
+enum class Refusal : std::uint8_t {
+  WrongToken = 1,  // the peer's proof failed: it gives up (Unauthorized)
+  Other,           // the server is full, or the peer was slow or malformed: it may retry
+};
 inline constexpr std::size_t kMaxRefusalBytes = 512;
 
 // Random bytes from the kernel; SystemError when it has none.

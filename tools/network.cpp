@@ -15,11 +15,58 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
+// Payloads from this size on are received straight into a local slot (the in-place path);
+// smaller ones into a buffer, then copied, which keeps one builder for a layout sent again.
+constexpr std::uint64_t kReceiveInPlaceFrom = 4ull << 20;
+
 // The relay's local producer: republishes each remote bucket, reusing one builder while the
-// layout and the receive buffer stay the same (the fast path, as for any producer).
+// layout and the receive buffer stay the same (the fast path, as for any producer), or
+// commits the slot a large payload was received into.
 class Republisher {
  public:
   explicit Republisher(Publisher publisher) : publisher_(std::move(publisher)) {}
+
+  // Where a remote payload goes: a reserved local slot when it is large, the local channel
+  // is on the host, and the frame lays its entries out as a local layout would; else nowhere
+  // (the remote subscriber's buffer). The frame was not verified yet: a bad one only makes
+  // this say nowhere, and next() then rejects it.
+  std::span<std::byte> place(std::uint64_t payload_bytes, std::span<const std::byte> frame, std::uint64_t timeout_ms) {
+    reservation_.reset();
+    if (payload_bytes < kReceiveInPlaceFrom || !publisher_.location().on_host()) return {};
+    try {
+      auto header = read_header(frame);
+      auto manifest = decode_manifest(manifest_bytes(header, frame));
+      BucketBuilder layout;
+      for (const auto& entry : manifest.entries) layout.declare(entry.name, entry.dtype, entry.shape);
+      for (const auto& group : manifest.groups) layout.group(group.name, group.members);
+      layout.version(manifest.version).bucket(manifest.bucket_index, manifest.bucket_count);
+      const auto& laid = layout.manifest().entries;
+      for (std::size_t i = 0; i < laid.size(); ++i) {
+        if (laid[i].byte_offset != manifest.entries[i].byte_offset) return {};
+      }
+      if (layout.payload_bytes() < payload_bytes) return {};
+      with_deadline(timeout_ms, [&](auto slice) {
+        if (auto reserved = publisher_.reserve(layout, slice)) reservation_.emplace(std::move(*reserved));
+        return reservation_.has_value();
+      });
+    } catch (const Error&) {
+      return {};
+    }
+    return reservation_ ? reservation_->payload().first(payload_bytes) : std::span<std::byte>();
+  }
+
+  // Publishes `view`: commits the slot place() gave, when the view is in it.
+  bool publish_placed(const BucketView& view, std::uint64_t timeout_ms) {
+    if (reservation_ && !view.payload().empty() && view.payload().data() == reservation_->payload().data()) {
+      reservation_->commit();
+      reservation_.reset();
+      return true;
+    }
+    reservation_.reset();
+    return publish(view, timeout_ms);
+  }
+
+  void abandon() { reservation_.reset(); }
 
   // False when the local consumers took no slot within `timeout_ms`.
   bool publish(const BucketView& view, std::uint64_t timeout_ms) {
@@ -41,6 +88,7 @@ class Republisher {
   Publisher publisher_;
   BucketBuilder builder_;
   std::optional<BucketView> layout_;
+  std::optional<Reservation> reservation_;  // place()'s slot, until published or abandoned
 };
 
 int stopped(const char* what) {
@@ -107,6 +155,9 @@ int run_relay(const RelayOptions& options) {
   // again, and it must not reach the local consumers twice.
   std::optional<std::pair<std::uint64_t, std::uint64_t>> last;  // (incarnation, sequence)
   std::uint64_t relayed = 0;
+  // The rate line: from the end of the first bucket's arrival to the end of the last one's publish.
+  std::uint64_t bytes_after_first = 0;
+  Clock::time_point first{}, latest{};
   auto backoff = 100ms;
   bool connected_once = false;
   while (stop_signal() == 0 && (options.buckets == 0 || relayed < options.buckets)) {
@@ -117,24 +168,42 @@ int run_relay(const RelayOptions& options) {
       log("connected to " + options.connect + ", channel '" + options.channel + "' → local '" + local + "'");
       connected_once = true;
       backoff = 100ms;
-      bool skipping = false;  // the rest of an update of which a bucket was not republished
       while (stop_signal() == 0 && (options.buckets == 0 || relayed < options.buckets)) {
-        auto bucket = remote->next(kWaitSlice);
+        auto bucket = remote->next(kWaitSlice, {}, [&](std::uint64_t payload_bytes, std::span<const std::byte> frame) {
+          return republisher.place(payload_bytes, frame, options.timeout_ms);
+        });
         if (!bucket) continue;
         const auto& view = bucket->view();
         std::pair<std::uint64_t, std::uint64_t> id{bucket->incarnation(), bucket->sequence()};
-        if (view.bucket_index() == 0) skipping = false;
-        if (skipping || (last && last->first == id.first && id.second <= last->second)) continue;
-        if (!republisher.publish(view, options.timeout_ms)) {
+        if (last && last->first == id.first && id.second <= last->second) {
+          republisher.abandon();
+          continue;
+        }
+        bool published = false;
+        try {
+          published = republisher.publish_placed(view, options.timeout_ms);
+        } catch (const Error& e) {
+          // The server sent a bucket out of its update's order: nothing was published.
+          if (e.code() != ErrorCode::InvalidArgument) throw;
+          log(std::string("the server sent a bucket out of order (") + e.what() + "); reconnecting");
+          break;
+        }
+        if (!published) {
           if (stop_signal() != 0) break;
           log("Timeout: no local slot came free within " + std::to_string(options.timeout_ms) + " ms; waiting for " +
               republisher.publisher().waiting_for() + "; reconnecting, to resume at the next update");
           break;
         }
         last = id;
-        ++relayed;
+        latest = Clock::now();
+        if (relayed++ == 0) {
+          first = latest;
+        } else {
+          bytes_after_first += view.payload().size();
+        }
       }
     } catch (const Error& e) {
+      republisher.abandon();  // a slot a rejected payload was received into is never published
       if (e.code() == ErrorCode::Unauthorized || e.code() == ErrorCode::InvalidArgument ||
           e.code() == ErrorCode::ChannelMissing) {
         std::fprintf(stderr, "tbucket: %s: %s\n", std::string(to_string(e.code())).c_str(), e.what());
@@ -153,8 +222,11 @@ int run_relay(const RelayOptions& options) {
   }
   if (stop_signal() != 0) return stopped("local channel closed");
   bool drained = with_deadline(options.timeout_ms, [&](auto slice) { return republisher.publisher().drain(slice); });
-  std::printf("relayed %llu buckets from %s to local channel '%s'\n", static_cast<unsigned long long>(relayed),
-              options.connect.c_str(), local.c_str());
+  auto seconds = std::chrono::duration<double>(latest - first).count();
+  std::printf("relayed %llu buckets from %s to local channel '%s'; after the first, %.1f MiB in %.3f s: %.1f MiB/s\n",
+              static_cast<unsigned long long>(relayed), options.connect.c_str(), local.c_str(),
+              static_cast<double>(bytes_after_first) / (1 << 20), seconds,
+              seconds > 0 ? static_cast<double>(bytes_after_first) / (1 << 20) / seconds : 0.0);
   return drained ? kOk : kTimeout;
 }
 

@@ -165,6 +165,12 @@ class Reservation {
   // memory, or device memory as location() says. They hold whatever the slot held before
   // until written: write every entry.
   std::span<const std::span<std::byte>> entry_spans() const noexcept { return spans_; }
+  // The whole payload in one span: every entry's, in layout order from offset 0, and the
+  // padding between them (zeroed on the host). For a writer that has a payload's bytes in one
+  // piece, laid out as the layout lays them (a relay receiving a bucket).
+  std::span<std::byte> payload() const noexcept {
+    return spans_.empty() ? std::span<std::byte>() : std::span<std::byte>(spans_.front().data(), payload_bytes_);
+  }
   PayloadLocation location() const noexcept;
 
   // Copies entry `index`'s bytes (its byte_length) from `data` into its span, as packing does:

@@ -26,7 +26,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <span>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -91,7 +93,8 @@ struct ConnectOptions {
   std::chrono::milliseconds idle_timeout{5000};  // silence after which the link counts as dead
 };
 
-// A bucket received from a server, verified. Owns its bytes (host memory).
+// A bucket received from a server, verified. Owns its bytes (host memory), unless next() put
+// them where a PayloadPlace said.
 class RemoteBucket {
  public:
   const BucketView& view() const noexcept { return view_; }
@@ -105,8 +108,13 @@ class RemoteBucket {
   BucketView view_;
   std::uint64_t sequence_;
   std::uint64_t incarnation_;
-  std::shared_ptr<void> bytes_;  // the payload's buffer, reused by the next bucket once this is gone
+  std::shared_ptr<void> bytes_;  // next()'s buffer, reused by the next bucket once this is gone; or none
 };
+
+// Where RemoteSubscriber::next() receives a payload, asked once the bucket's frame came: given
+// the payload's size and the frame (docs/format.md; not yet verified), memory for at least that
+// many bytes (a local slot, for a relay), or an empty span for next()'s own buffer.
+using PayloadPlace = std::function<std::span<std::byte>(std::uint64_t payload_bytes, std::span<const std::byte> frame)>;
 
 class RemoteSubscriber {
  public:
@@ -121,8 +129,12 @@ class RemoteSubscriber {
 
   // The next bucket, verified (rules 1-6 and the payload hash); nullopt when none came within
   // `timeout`. Verification errors throw and drop the link: a server that sends a bad bucket is
-  // not trusted further. NetworkError when the link is lost; connect again to go on.
-  std::optional<RemoteBucket> next(std::chrono::milliseconds timeout, const VerifyOptions& options = {});
+  // not trusted further. NetworkError when the link is lost; connect again to go on. A bucket
+  // begun is received whole, which may take longer than `timeout` (idle_timeout bounds it).
+  // With `place`, the payload lands where it says; the bucket's view then points there, and
+  // when next() throws, what it wrote there is not a verified bucket.
+  std::optional<RemoteBucket> next(std::chrono::milliseconds timeout, const VerifyOptions& options = {},
+                                   const PayloadPlace& place = {});
 
   const std::string& address() const noexcept;
   const std::string& channel() const noexcept;  // the served channel's name
