@@ -165,6 +165,35 @@ struct RemoteState {
     last_heard = Clock::now();
   }
 
+  // Receives a payload's chunks into `payload` in order, hashing each as it comes; returns
+  // the chunked hash. Each chunk has idle_timeout (and its size at 10 MB/s) to come.
+  std::uint64_t receive_payload(std::span<std::byte> payload, std::uint64_t chunk_bytes) {
+    constexpr std::uint64_t kMinChunk = 64 << 10, kMaxChunk = 1ull << 30;
+    if (chunk_bytes < kMinChunk || chunk_bytes > kMaxChunk) lost("chunks of " + std::to_string(chunk_bytes) + " bytes");
+    auto allowance = std::chrono::milliseconds(static_cast<std::int64_t>(chunk_bytes / kSlowestBytesPerMs));
+    ChunkedHash hash(chunk_count(payload.size(), chunk_bytes));
+    for (std::uint64_t at = 0; at < payload.size(); at += chunk_bytes) {
+      auto chunk = payload.subspan(at, std::min(chunk_bytes, payload.size() - at));
+      auto deadline = Clock::now() + options.idle_timeout + allowance;
+      std::size_t length = 0;
+      ucp_tag_message_h found = nullptr;
+      while ((found = probe(worker.get(), tag(Kind::Payload), kAllBits, &length)) == nullptr) {
+        check_link();
+        if (Clock::now() > deadline) lost("no payload chunk within " + std::to_string(options.idle_timeout.count()) + " ms");
+        worker.progress();
+        std::this_thread::yield();  // a transfer under way: it moves only in progress calls
+      }
+      if (length != chunk.size()) {
+        lost("a chunk of " + std::to_string(length) + " bytes where " + std::to_string(chunk.size()) + " were due");
+      }
+      auto receiving = receive(worker.get(), found, chunk);
+      wait_for(receiving, deadline);
+      hash.add(chunk);
+      last_heard = Clock::now();
+    }
+    return hash.value();
+  }
+
   std::optional<RemoteBucket> next(Clock::time_point until, const VerifyOptions& verify, const PayloadPlace& place) {
     if (broken) throw Error(ErrorCode::NetworkError, "link to " + address + " is closed: connect again");
     constexpr std::size_t kMaxMessage = sizeof(BucketAnnounce) + sizeof(BucketHeader) + kMaxManifestBytes;
@@ -214,24 +243,13 @@ struct RemoteState {
       payload = buffer->span().first(announce.payload_bytes);
       owner = buffer;
     }
-    if (!payload.empty()) {
-      auto allowance = std::chrono::milliseconds(static_cast<std::int64_t>(payload.size() / kSlowestBytesPerMs));
-      auto deadline = Clock::now() + options.idle_timeout + allowance;
-      std::size_t length = 0;
-      ucp_tag_message_h found = nullptr;
-      while ((found = probe(worker.get(), tag(Kind::Payload), kAllBits, &length)) == nullptr) {
-        check_link();
-        if (Clock::now() > deadline) lost("no payload after the announce");
-        worker.wait(10ms);
-      }
-      if (length != payload.size()) {
-        lost("a payload of " + std::to_string(length) + " bytes where " + std::to_string(payload.size()) + " were announced");
-      }
-      auto receiving = receive(worker.get(), found, payload);
-      wait_for(receiving, deadline);
-      last_heard = Clock::now();
+    auto hash = receive_payload(payload, announce.chunk_bytes);
+    std::vector<std::byte> sent_hash;
+    if (!take(Kind::PayloadHash, sent_hash, sizeof(std::uint64_t), Clock::now() + options.idle_timeout) ||
+        sent_hash.size() != sizeof(std::uint64_t)) {
+      lost("no payload hash after the payload");
     }
-    if (auto hash = xxh3(payload); hash != announce.payload_xxh3) {
+    if (std::memcmp(&hash, sent_hash.data(), sizeof hash) != 0) {
       broken = true;
       detail::close(worker, endpoint, kCloseLimit);
       throw Error(ErrorCode::ChecksumMismatch, "bucket " + std::to_string(announce.sequence) + " from " + address +

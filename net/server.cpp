@@ -49,6 +49,7 @@ struct Peer {
   Clock::time_point stalled_since{};  // when its window filled while a bucket waited
   std::vector<std::byte> announce;    // the current bucket's announce and frame, for this peer
   std::vector<Request> bucket_sends;  // the current bucket's messages
+  bool owed_hash = false;             // got the current bucket's chunks; its hash follows
   std::list<Small> small;             // challenge, welcome, refusal, heartbeats
   std::string problem;                // set: drop it
   Clock::time_point close_by{};       // refused: closed once told, or at this time
@@ -82,6 +83,9 @@ struct ServerState {
   std::vector<ucp_conn_request_h> incoming;  // filled by the listener's callback
   std::list<Peer> peers;                     // a list: peers keep their addresses
   std::optional<ReceivedBucket> current;     // being sent; its lease held until every send is done
+  std::span<const std::byte> current_payload;  // its bytes, on the host
+  std::optional<ChunkedHash> current_hash;    // hashed a chunk a turn, while the chunks travel
+  std::uint64_t current_hash_value = 0;       // sent after the chunks, to each peer
   Clock::time_point current_deadline{};
   std::uint64_t served = 0;
   std::string address;
@@ -252,10 +256,12 @@ struct ServerState {
       payload = std::span<const std::byte>(staged).first(view.payload().size());
     }
     auto frame = view.frame();
-    BucketAnnounce announce{0, bucket.sequence(), bucket.incarnation(), payload.size(), xxh3(payload), frame.size()};
+    BucketAnnounce announce{0, bucket.sequence(), bucket.incarnation(), payload.size(), kChunkBytes, frame.size()};
+    current_payload = payload;
+    current_hash.emplace(chunk_count(payload.size(), kChunkBytes));
 #ifdef TENSORBUCKET_WIRE_FAULT
     // Test builds only (tests/meson.build): one payload byte of the bucket whose sequence
-    // TBUCKET_WIRE_FAULT names flips after its hash was taken, as on a faulty link.
+    // TBUCKET_WIRE_FAULT names flips on the wire, after the server hashed it.
     if (const char* at = std::getenv("TBUCKET_WIRE_FAULT"); at != nullptr && !payload.empty() &&
                                                            std::to_string(bucket.sequence()) == at) {
       staged.assign(payload.begin(), payload.end());
@@ -273,7 +279,11 @@ struct ServerState {
       std::memcpy(peer.announce.data() + sizeof announce, frame.data(), frame.size());
       try {
         peer.bucket_sends.push_back(send(worker.get(), peer.endpoint.ep, peer.announce, tag(Kind::Bucket)));
-        if (!payload.empty()) peer.bucket_sends.push_back(send(worker.get(), peer.endpoint.ep, payload, tag(Kind::Payload)));
+        for (std::uint64_t at = 0; at < payload.size(); at += kChunkBytes) {
+          auto chunk = payload.subspan(at, std::min<std::uint64_t>(kChunkBytes, payload.size() - at));
+          peer.bucket_sends.push_back(send(worker.get(), peer.endpoint.ep, chunk, tag(Kind::Payload)));
+        }
+        peer.owed_hash = true;
       } catch (const Error& e) {
         peer.problem = e.what();
       }
@@ -296,27 +306,50 @@ struct ServerState {
     }
   }
 
+  // Hashes the current payload's next chunk; once all are, sends each peer the hash.
+  void hash_a_chunk() {
+    auto& hash = *current_hash;
+    auto at = hash.chunks() * kChunkBytes;
+    if (at < current_payload.size()) {
+      hash.add(current_payload.subspan(at, std::min<std::uint64_t>(kChunkBytes, current_payload.size() - at)));
+      return;
+    }
+    current_hash_value = hash.value();
+    for (auto& peer : peers) {
+      if (!peer.live() || !peer.owed_hash) continue;
+      peer.owed_hash = false;
+      try {
+        peer.bucket_sends.push_back(send(worker.get(), peer.endpoint.ep, std::as_bytes(std::span(&current_hash_value, 1)),
+                                         tag(Kind::PayloadHash)));
+      } catch (const Error& e) {
+        peer.problem = e.what();
+      }
+    }
+    current_hash.reset();
+  }
+
   // One turn of the loop.
   void turn() {
     worker.progress();
     admit();
     hear();
+    if (current_hash) hash_a_chunk();
     for (auto& peer : peers) settle(peer);
     heartbeats();
     auto now = Clock::now();
     if (current) {
       bool done = true;
       for (auto& peer : peers) {
-        if (!peer.live() || peer.bucket_sends.empty()) continue;
+        if (!peer.live() || (peer.bucket_sends.empty() && !peer.owed_hash)) continue;
         done = false;
         if (now > current_deadline) {
           peer.problem = "took no bucket within " + std::to_string(options.peer_timeout.count()) + " ms";
         }
       }
       drop_failed();
-      if (!done) {
+      if (!done || current_hash) {
         // The transfer goes on only in this thread's progress calls: they run back to back.
-        std::this_thread::yield();
+        if (!current_hash) std::this_thread::yield();
         return;
       }
       current.reset();  // every send is done: the slot's bytes are no longer read

@@ -6,8 +6,12 @@
 #include <array>
 #include <bit>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
+#include <vector>
+
+#include "tensorbucket/header.hpp"
 
 #include <ucp/api/ucp.h>
 
@@ -24,9 +28,10 @@ enum class Kind : std::uint8_t {
   Welcome,        // server → peer: the server's proof; buckets follow
   Refused,        // server → peer: why it closes the link (text)
   Bucket,         // server → peer: BucketAnnounce followed by the frame
-  Payload,        // server → peer: the payload's bytes
+  Payload,        // server → peer: one chunk of the payload's bytes (chunks in order)
   Ack,            // peer → server: the ordinal of the last bucket it took
   Heartbeat,      // server → peer, when idle: the link is alive
+  PayloadHash,    // server → peer, after the chunks: chunked_hash() of the payload
 };
 
 inline constexpr ucp_tag_t kKindMask = 0xffull << 56;
@@ -63,9 +68,29 @@ struct BucketAnnounce {
   std::uint64_t sequence;     // in the served channel
   std::uint64_t incarnation;  // of the served channel's producer
   std::uint64_t payload_bytes;
-  std::uint64_t payload_xxh3;  // always: checked after the transfer
+  std::uint64_t chunk_bytes;   // the payload comes in Payload messages of this size (the last: the rest)
   std::uint64_t frame_bytes;   // the frame that follows this announce in the same message
 };
+
+// A payload travels in chunks, so that each side hashes one chunk while the next is on the
+// wire. Its hash, sent after the chunks and checked by the peer, is the xxh3 of the chunks'
+// xxh3s in order; ChunkedHash computes it a chunk at a time.
+inline constexpr std::uint64_t kChunkBytes = 8ull << 20;
+
+class ChunkedHash {
+ public:
+  explicit ChunkedHash(std::uint64_t chunks) { hashes_.reserve(chunks); }
+  void add(std::span<const std::byte> chunk) { hashes_.push_back(xxh3(chunk)); }
+  std::size_t chunks() const noexcept { return hashes_.size(); }
+  std::uint64_t value() const noexcept { return xxh3(std::as_bytes(std::span(hashes_))); }
+
+ private:
+  std::vector<std::uint64_t> hashes_;
+};
+
+constexpr std::uint64_t chunk_count(std::uint64_t payload_bytes, std::uint64_t chunk_bytes) {
+  return (payload_bytes + chunk_bytes - 1) / chunk_bytes;
+}
 struct Ack {
   std::uint64_t ordinal;
 };
