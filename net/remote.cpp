@@ -93,7 +93,9 @@ struct RemoteState {
         return true;
       }
       if (Clock::now() >= until) return false;
-      worker.wait(std::min(std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()) + 1ms, 50ms));
+      // Short sleeps (UCX's wake-up event does not fire for every transport), shorter while
+      // buckets keep coming: the wait for the next message is a bucket's latency.
+      worker.wait(Clock::now() - last_heard < 100ms ? std::chrono::microseconds(100) : std::chrono::microseconds(2000));
     }
   }
 

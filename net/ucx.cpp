@@ -119,13 +119,15 @@ void Worker::progress() noexcept {
   }
 }
 
-void Worker::wait(std::chrono::milliseconds limit) {
+void Worker::wait(std::chrono::microseconds limit) {
   progress();
   auto status = ucp_worker_arm(worker_);
   if (status == UCS_ERR_BUSY) return;  // events came in meanwhile: the caller looks at them
   if (status != UCS_OK) fail_ucx("ucp_worker_arm", status);
   pollfd fd{event_fd_, POLLIN, 0};
-  ::poll(&fd, 1, static_cast<int>(std::max<std::chrono::milliseconds::rep>(limit.count(), 0)));
+  auto micros = std::max<std::chrono::microseconds::rep>(limit.count(), 0);
+  timespec timeout{static_cast<time_t>(micros / 1'000'000), static_cast<long>(micros % 1'000'000) * 1000};
+  ::ppoll(&fd, 1, &timeout, nullptr);
   progress();
 }
 

@@ -38,8 +38,9 @@ class Worker {
 
   ucp_worker_h get() const noexcept { return worker_; }
   void progress() noexcept;
-  // Sleeps until the network has something for this worker, `limit` at most.
-  void wait(std::chrono::milliseconds limit);
+  // Sleeps until the network has something for this worker, `limit` at most. UCX's wake-up
+  // event does not fire for every transport (not for shared memory): callers keep it short.
+  void wait(std::chrono::microseconds limit);
 
  private:
   ucp_context_h context_ = nullptr;
