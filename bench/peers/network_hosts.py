@@ -1,0 +1,230 @@
+"""tensorbucket across two hosts (serve -> relay), beside ucx_perftest and torch.distributed (gloo).
+
+    scripts/install-deps && scripts/setup-build build && ninja -C build
+    sudo .venv/bin/python bench/peers/network_hosts.py [--build build] [--rounds 3]
+
+The hosts are two network namespaces joined by a veth pair (198.18.200.1 and .2, RFC 2544's
+benchmarking range, on those veths only), made here and removed at the end; UCX is held to its
+TCP transport (UCX_TLS=tcp), as between two machines without RDMA. In each round, in the same
+run:
+- throughput of 256 MiB buckets: a Python trainer in host a publishes one 256 MiB tensor again
+  and again; `tbucket serve` sends it to `tbucket relay` in host b, which republishes it to a
+  consumer there. The relay's rate line counts from the first bucket's arrival to the last one's
+  publish. Beside it, `ucx_perftest -t tag_bw -s 256MiB` between the same hosts: the limit.
+- latency of 1000 x 1 KiB buckets: a Python trainer in host a publishes one every 20 ms, its
+  version the CLOCK_MONOTONIC time just before publish() (the hosts share the machine's clock);
+  a Python server in host b takes each from the relay's channel: the median of version -> the
+  views in hand in host b, Python's publish (~0.2 ms for 1000 tensors) included. Beside it,
+  `ucx_perftest -t tag_lat` with one message of the same bytes (its one-way latency: half a
+  round trip).
+- gloo: torch.distributed.broadcast of the same 256 MiB and 1000 KiB flat tensors, rank 0 in
+  host a, rank 1 in host b; the median of rank 1's broadcast times.
+It prints the median over the rounds of each figure and the ratios.
+"""
+import argparse
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+A, B = "tbbench-a", "tbbench-b"
+ADDR_A, ADDR_B = "198.18.200.1", "198.18.200.2"
+BIG = 256 << 20
+SMALL_TENSORS, SMALL_BYTES = 1000, 1024
+
+
+def ip(*args, check=True):
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+def make_hosts():
+    remove_hosts()
+    ip("netns", "add", A)
+    ip("netns", "add", B)
+    ip("link", "add", "tbbench-va", "type", "veth", "peer", "name", "tbbench-vb")
+    for ns, veth, addr in ((A, "tbbench-va", ADDR_A), (B, "tbbench-vb", ADDR_B)):
+        ip("link", "set", veth, "netns", ns)
+        ip("-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
+        ip("-n", ns, "link", "set", veth, "up")
+        ip("-n", ns, "link", "set", "lo", "up")
+
+
+def remove_hosts():
+    ip("netns", "del", A, check=False)
+    ip("netns", "del", B, check=False)
+
+
+def in_host(ns, *command, **kwargs):
+    env = dict(os.environ, UCX_TLS="tcp")
+    return subprocess.Popen(["ip", "netns", "exec", ns, *command], env=env, **kwargs)
+
+
+def perftest(test, size, iterations, port):
+    """ucx_perftest's Final line as {field: value}: its server in host a, its client in b."""
+    server = in_host(A, "ucx_perftest", "-p", str(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        client = in_host(B, "ucx_perftest", ADDR_A, "-p", str(port), "-t", test, "-s", str(size), "-n",
+                         str(iterations), "-w", str(max(2, iterations // 10)), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+        out, _ = client.communicate(timeout=300)
+    finally:
+        server.kill()
+        server.wait()
+    final = [line for line in out.splitlines() if line.startswith("Final:")]
+    if not final:
+        sys.exit(f"ucx_perftest {test} printed no Final line:\n{out}")
+    # Final: iterations, latency 50%ile, average, overall (us), bandwidth average, overall (MB/s), ...
+    values = [float(v) for v in final[0].split()[1:]]
+    return {"latency_median_us": values[1], "bandwidth_MBps": values[4]}
+
+
+TRAINER = textwrap.dedent("""
+    import sys, torch, tensorbucket as tb
+    channel, count = sys.argv[1], int(sys.argv[2])
+    weights = {"flat": torch.ones(%d // 4, dtype=torch.float32)}
+    with tb.Publisher(channel) as publisher:
+        for version in range(count):
+            publisher.publish(weights, version=version, timeout=120)
+""" % BIG)
+
+
+def ours_throughput(tbucket, token, port, buckets):
+    up, down = f"bench-up-{port}", f"bench-down-{port}"
+    consumer = in_host(B, tbucket, "consume", "--channel", down, "--buckets", str(buckets), "--quiet",
+                       "--timeout-ms", "120000", stdout=subprocess.DEVNULL)
+    relay = in_host(B, tbucket, "relay", "--connect", f"{ADDR_A}:{port}", "--channel", up, "--as", down,
+                    "--token-file", token, "--buckets", str(buckets), "--quiet", stdout=subprocess.PIPE, text=True)
+    trainer = in_host(A, sys.executable, "-c", TRAINER, up, str(buckets))
+    time.sleep(2)  # the trainer's channel, before serve attaches
+    serve = in_host(A, tbucket, "serve", "--channel", up, "--listen", f"{ADDR_A}:{port}", "--token-file", token,
+                    stderr=subprocess.DEVNULL)
+    try:
+        out, _ = relay.communicate(timeout=600)
+        consumer.wait(timeout=60)
+        trainer.wait(timeout=60)
+    finally:
+        for proc in (serve, relay, trainer, consumer):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    rate = re.search(r"([0-9.]+) MiB/s", out)
+    if not rate:
+        sys.exit(f"the relay printed no rate:\n{out}")
+    return float(rate.group(1)) * (1 << 20) / 1e6  # MB/s, as ucx_perftest counts
+
+
+SMALL_TRAINER = textwrap.dedent('''
+    import sys, time, torch, tensorbucket as tb
+    channel, count = sys.argv[1], int(sys.argv[2])
+    tensors = {f"t{i}": torch.zeros(%d // 4, dtype=torch.float32) for i in range(%d)}
+    with tb.Publisher(channel) as publisher:
+        for _ in range(count):
+            publisher.publish(tensors, version=time.monotonic_ns(), timeout=120)
+            time.sleep(0.02)
+''' % (SMALL_BYTES, SMALL_TENSORS))
+
+SMALL_SERVER = textwrap.dedent('''
+    import sys, time, tensorbucket as tb
+    channel, count = sys.argv[1], int(sys.argv[2])
+    subscriber = tb.Subscriber(channel, timeout=120)
+    for _ in range(count):
+        bucket = subscriber.next(timeout=120)
+        print((time.monotonic_ns() - bucket.version) / 1000, flush=True)
+        bucket.release()
+''')
+
+
+def ours_latency(tbucket, token, port, buckets):
+    up, down = f"bench-lat-up-{port}", f"bench-lat-down-{port}"
+    relay = in_host(B, tbucket, "relay", "--connect", f"{ADDR_A}:{port}", "--channel", up, "--as", down,
+                    "--token-file", token, "--buckets", str(buckets), "--quiet", stdout=subprocess.DEVNULL)
+    consumer = in_host(B, sys.executable, "-c", SMALL_SERVER, down, str(buckets), stdout=subprocess.PIPE, text=True)
+    trainer = in_host(A, sys.executable, "-c", SMALL_TRAINER, up, str(buckets))
+    time.sleep(2)
+    serve = in_host(A, tbucket, "serve", "--channel", up, "--listen", f"{ADDR_A}:{port}", "--token-file", token,
+                    stderr=subprocess.DEVNULL)
+    try:
+        out, _ = consumer.communicate(timeout=600)
+    finally:
+        for proc in (serve, relay, trainer):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    latencies = [float(line) for line in out.split()]
+    return statistics.median(latencies[len(latencies) // 10:])  # past the first tenth: warm
+
+
+GLOO = textwrap.dedent("""
+    import os, statistics, sys, time, torch, torch.distributed as dist
+    rank, size, repeats = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    dist.init_process_group("gloo", init_method="tcp://%s:29517", rank=rank, world_size=2)
+    flat = torch.ones(size // 4, dtype=torch.float32)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.broadcast(flat, src=0)
+        times.append(time.perf_counter() - start)
+    if rank == 1:
+        print(statistics.median(times[1:]) * 1e6)
+    dist.destroy_process_group()
+""" % ADDR_A)
+
+
+def gloo_broadcast_us(size, repeats):
+    sender = in_host(A, "env", f"GLOO_SOCKET_IFNAME=tbbench-va", sys.executable, "-c", GLOO, "0", str(size), str(repeats))
+    receiver = in_host(B, "env", f"GLOO_SOCKET_IFNAME=tbbench-vb", sys.executable, "-c", GLOO, "1", str(size),
+                       str(repeats), stdout=subprocess.PIPE, text=True)
+    out, _ = receiver.communicate(timeout=600)
+    sender.wait(timeout=60)
+    return float(out.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--build", default="build")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--buckets", type=int, default=12, help="256 MiB buckets per throughput round")
+    parser.add_argument("--small-buckets", type=int, default=300, help="1000 x 1 KiB buckets per latency round")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("network_hosts.py makes network namespaces: run it as root")
+    tbucket = str(pathlib.Path(args.build, "tools", "tbucket").resolve())
+    rows = {key: [] for key in ("ours_MBps", "perftest_MBps", "gloo_big_us", "ours_lat_us", "perftest_lat_us",
+                                "gloo_small_us")}
+    with tempfile.TemporaryDirectory() as tmp:
+        token = pathlib.Path(tmp, "token")
+        token.write_bytes(os.urandom(24).hex().encode())
+        token.chmod(0o600)
+        make_hosts()
+        try:
+            for round_ in range(args.rounds):
+                port = 17100 + round_ * 10
+                rows["perftest_MBps"].append(perftest("tag_bw", BIG, 20, port)["bandwidth_MBps"])
+                rows["ours_MBps"].append(ours_throughput(tbucket, str(token), port + 1, args.buckets))
+                rows["gloo_big_us"].append(gloo_broadcast_us(BIG, 12))
+                rows["perftest_lat_us"].append(
+                    perftest("tag_lat", SMALL_TENSORS * SMALL_BYTES, 200, port + 2)["latency_median_us"])
+                rows["ours_lat_us"].append(ours_latency(tbucket, str(token), port + 3, args.small_buckets))
+                rows["gloo_small_us"].append(gloo_broadcast_us(SMALL_TENSORS * SMALL_BYTES, 200))
+                print(f"round {round_ + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()), flush=True)
+        finally:
+            remove_hosts()
+    med = {key: statistics.median(values) for key, values in rows.items()}
+    gloo_MBps = BIG / med["gloo_big_us"]
+    print(f"\nmedians of {args.rounds} rounds (load average {os.getloadavg()[0]:.2f}):")
+    print(f"256 MiB buckets: ours {med['ours_MBps']:.0f} MB/s, ucx_perftest tag_bw {med['perftest_MBps']:.0f} MB/s "
+          f"({med['ours_MBps'] / med['perftest_MBps']:.0%} of it), gloo broadcast {gloo_MBps:.0f} MB/s")
+    print(f"1000 x 1 KiB: ours {med['ours_lat_us']:.0f} us (before publish() -> views on the other host), "
+          f"ucx_perftest tag_lat {med['perftest_lat_us']:.0f} us ({med['ours_lat_us'] / med['perftest_lat_us']:.2f}x), "
+          f"gloo broadcast {med['gloo_small_us']:.0f} us")
+
+
+if __name__ == "__main__":
+    main()
