@@ -40,6 +40,7 @@ inline void register_errors(py::module_& m) {
   static py::exception<Error> channel_error(m, "ChannelError", error.ptr());
   static py::exception<Error> device_error(m, "DeviceError", error.ptr());
   static py::exception<Error> invalid_argument(m, "InvalidArgument", py::make_tuple(error, py::handle(PyExc_ValueError)));
+  static py::exception<Error> network_error(m, "NetworkError", py::make_tuple(error, py::handle(PyExc_ConnectionError)));
   py::register_exception_translator([](std::exception_ptr raised) {
     try {
       if (raised) std::rethrow_exception(raised);
@@ -60,9 +61,9 @@ inline void register_errors(py::module_& m) {
         case ErrorCode::DeviceNotVisible:
         case ErrorCode::CudaFailed: raise(device_error); return;
         case ErrorCode::InvalidArgument: raise(invalid_argument); return;
-        case ErrorCode::SystemError:
         case ErrorCode::NetworkError:
-        case ErrorCode::Unauthorized: raise(error); return;
+        case ErrorCode::Unauthorized: raise(network_error); return;
+        case ErrorCode::SystemError: raise(error); return;
         // Every way a bucket fails verification. Listed, not a default: a new code must be
         // placed here on purpose (the compiler names a missing one).
         case ErrorCode::MissingManifest:

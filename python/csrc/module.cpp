@@ -14,6 +14,9 @@
 #include "load.hpp"
 #include "publisher.hpp"
 #include "received.hpp"
+#ifdef TENSORBUCKET_NET
+#include "server.hpp"
+#endif
 #include "subscriber.hpp"
 #include "waits.hpp"
 
@@ -93,4 +96,17 @@ PYBIND11_MODULE(_C, m) {
       .def("close", &PySubscriber::close);
 
   m.def("load_into", &load_into, py::arg("module"), py::arg("tensors"));
+
+#ifdef TENSORBUCKET_NET  // built where UCX is found
+  py::class_<PyServer>(m, "Server")
+      .def(py::init<const std::string&, const std::string&, const std::string&, double, std::uint32_t, std::uint32_t,
+                    std::optional<double>>(),
+           py::arg("channel"), py::arg("listen"), py::arg("token_file"), py::arg("peer_timeout"), py::arg("max_peers"),
+           py::arg("window"), py::arg("timeout"))
+      .def("serve", &PyServer::serve, py::arg("duration"))
+      .def("close", &PyServer::close)
+      .def_property_readonly("address", &PyServer::address)
+      .def_property_readonly("peers", &PyServer::peers)
+      .def_property_readonly("buckets_served", &PyServer::buckets_served);
+#endif
 }

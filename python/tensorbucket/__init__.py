@@ -4,6 +4,8 @@ A trainer publishes its weights with a Publisher; a server receives them with a 
 as a Bucket (or a whole Update of several) of read-only tensor views into shared memory, and
 loads them into its model with load_into().
 
+Server exports a channel to other hosts, where `tbucket relay` republishes it (docs/network.md).
+
 Every timeout is in seconds; None waits without limit. Ctrl+C interrupts any wait, and an
 interrupted publish() has published nothing. Threads sharing a Publisher or a Subscriber take
 turns. Every error the library raises is a tensorbucket.Error, whose `code` names the rule that
@@ -11,6 +13,7 @@ failed; an argument of the wrong type raises TypeError.
 """
 import math
 import operator
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Literal, Optional, Tuple, TypeVar, Union
@@ -25,6 +28,7 @@ from ._C import (
     Error,
     InvalidArgument,
     ManifestError,
+    NetworkError,
     ProducerGone,
     Timeout,
 )
@@ -32,8 +36,8 @@ from ._C import (
 __version__: str = _C.__version__
 
 # Shown where they are caught from: tensorbucket.Timeout, not tensorbucket._C.Timeout.
-for _kind in (ChannelError, ChecksumMismatch, DeviceError, Error, InvalidArgument, ManifestError, ProducerGone,
-              Timeout):
+for _kind in (ChannelError, ChecksumMismatch, DeviceError, Error, InvalidArgument, ManifestError, NetworkError,
+              ProducerGone, Timeout):
     _kind.__module__ = __name__
 del _kind
 
@@ -45,8 +49,10 @@ __all__ = [
     "Error",
     "InvalidArgument",
     "ManifestError",
+    "NetworkError",
     "ProducerGone",
     "Publisher",
+    "Server",
     "Subscriber",
     "Timeout",
     "Update",
@@ -488,6 +494,98 @@ class Subscriber:
         self._impl.close()
 
     def __enter__(self) -> "Subscriber":
+        return self
+
+    def __exit__(
+        self,
+        kind: Optional[type[BaseException]],
+        error: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> None:
+        self.close()
+
+
+class Server:
+    """Exports a channel to other hosts over UCX, as `tbucket serve` does: each bucket goes to
+    the relays that proved they hold the shared token (`tbucket relay` republishes it into a
+    channel on their host). An ordinary consumer of the channel, which follows it across
+    producer restarts. A context manager: leaving it disconnects every relay.
+
+    Buckets are sent while serve() runs, in this thread or another one; in between, the channel
+    and its relays wait (a relay that waits past peer_timeout is dropped, and reconnects).
+
+    channel: the local channel to export; waits up to `timeout` for its producer.
+    listen: "ADDRESS:PORT" ("[ADDRESS]:PORT" for IPv6), an address of this host; there is no
+        default, so that weights are never served on every interface by accident. Port 0 picks
+        a free one (see `address`).
+    token_file: the shared secret, 16-4096 bytes, in a file of this user that neither group nor
+        others may read (0600): ChannelError PermissionDenied otherwise.
+    peer_timeout: a relay that takes no bucket within this is dropped (plus its size at
+        10 MB/s), so a slow or dead host holds the channel at most that long.
+    max_peers: relays served at once; more are refused until one leaves.
+    window: buckets sent to a relay before it acknowledged the first of them.
+
+    Raises InvalidArgument for a bad address or option, NetworkError when the address cannot
+    be bound (not this host's, or the port is taken), ChannelError when no producer came, and
+    Error when this build has no network side (tensorbucket was built without UCX).
+    """
+
+    def __init__(
+        self,
+        channel: str,
+        listen: str,
+        token_file: Union[str, "os.PathLike[str]"],
+        *,
+        peer_timeout: float = 10.0,
+        max_peers: int = 16,
+        window: int = 2,
+        timeout: Optional[float] = 10.0,
+    ) -> None:
+        if not hasattr(_C, "Server"):
+            raise _error(Error, "this build of tensorbucket has no network side: build it where UCX and "
+                         "OpenSSL are installed (Debian: libucx-dev, libssl-dev)")
+        seconds = _seconds("peer_timeout", peer_timeout)
+        if seconds is None:
+            raise TypeError("peer_timeout must be seconds (an int or a float), not None")
+        self._impl = _C.Server(
+            _text("channel", channel),
+            _text("listen", listen),
+            os.fspath(token_file),
+            seconds,
+            _integer("max_peers", max_peers, 1, _U32),
+            _integer("window", window, 1, _U32),
+            _seconds("timeout", timeout),
+        )
+
+    def serve(self, duration: Optional[float] = None) -> None:
+        """Serve for `duration` seconds (None: until close() from another thread, or Ctrl+C).
+
+        Problems with one relay are logged to stderr and drop that relay only. Raises what
+        Subscriber.next() raises for the local channel, but for ProducerGone: the server waits
+        for the channel's next producer.
+        """
+        self._impl.serve(_seconds("duration", duration))
+
+    def close(self) -> None:
+        """Disconnect every relay and leave the channel; a serve() in another thread returns."""
+        self._impl.close()
+
+    @property
+    def address(self) -> str:
+        """What it listens on, "ADDRESS:PORT", the port resolved."""
+        return self._impl.address
+
+    @property
+    def peers(self) -> int:
+        """Relays that proved the token and are served now (as of serve()'s last slice)."""
+        return self._impl.peers
+
+    @property
+    def buckets_served(self) -> int:
+        """Buckets sent to at least one relay so far."""
+        return self._impl.buckets_served
+
+    def __enter__(self) -> "Server":
         return self
 
     def __exit__(

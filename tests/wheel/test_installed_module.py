@@ -46,3 +46,21 @@ def test_its_types_install_with_it():
     package = Path(tensorbucket.__file__).parent
     assert (package / "py.typed").is_file() and (package / "_C.pyi").is_file()
     assert Path(tensorbucket._C.__file__).parent == package
+
+
+def test_the_network_side_installs_where_ucx_is(tmp_path):
+    """pip's build links the network side into the module where UCX and OpenSSL are found
+    (scripts/install-deps installs both): there, a Server starts and listens."""
+    found = subprocess.run(["pkg-config", "--exists", "ucx", "libcrypto"]).returncode == 0
+    if not found:
+        assert not hasattr(tensorbucket._C, "Server")
+        return
+    token = tmp_path / "token"
+    token.write_text("a shared secret of the tests")
+    token.chmod(0o600)
+    channel = f"tbwheelnet-{tmp_path.name}"[:64]
+    with tensorbucket.Publisher(channel, min_consumers=0):
+        with tensorbucket.Server(channel, "127.0.0.1:0", token, timeout=10) as server:
+            assert server.address.startswith("127.0.0.1:") and not server.address.endswith(":0")
+            server.serve(0.1)
+            assert server.peers == 0

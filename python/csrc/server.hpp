@@ -1,0 +1,93 @@
+// The Python Server: a channel exported to other hosts (tensorbucket/net.hpp), served in
+// slices without the GIL, so that Ctrl+C, close() from another thread and the interpreter's exit
+// all end a serve() that has no time limit.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "tensorbucket/net.hpp"
+#include "waits.hpp"
+
+namespace tensorbucket::python {
+
+namespace py = pybind11;
+
+class PyServer {
+ public:
+  PyServer(const std::string& channel, const std::string& listen, const std::string& token_file,
+           double peer_timeout, std::uint32_t max_peers, std::uint32_t window, std::optional<double> timeout)
+      : channel_(channel) {
+    net::ServeOptions options{.listen = listen,
+                              .token = net::read_token_file(token_file),
+                              .peer_timeout = milliseconds(peer_timeout, "peer_timeout"),
+                              .max_peers = max_peers,
+                              .window = window};
+    auto started = wait_until(deadline_in(timeout), [&](auto slice) -> std::optional<net::Server> {
+      try {
+        return net::Server::start(channel, options, slice);
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::ChannelMissing) throw;
+        return std::nullopt;  // no producer yet
+      }
+    });
+    if (!started) {
+      throw Error(ErrorCode::ChannelMissing,
+                  "channel '" + channel + "' had no live producer within " + as_text(*timeout) + " s");
+    }
+    server_ = std::move(*started);
+    address_ = server_->address();
+  }
+
+  // Serves for `duration` seconds (None: until close() or Ctrl+C), in slices without the GIL.
+  void serve(std::optional<double> duration) {
+    auto deadline = deadline_in(duration);
+    auto turn = take_turn(turn_);
+    wait_until(deadline, [&](std::chrono::milliseconds slice) {
+      if (turn_.closing && server_) return true;  // close() from another thread ends the wait
+      live().serve_for(slice);
+      peers_ = server_->peers();
+      served_ = server_->buckets_served();
+      return false;
+    });
+  }
+
+  const std::string& address() const { return address_; }
+  // As of the end of the last slice served: readable while another thread serves.
+  std::uint32_t peers() const { return peers_; }
+  std::uint64_t buckets_served() const { return served_; }
+
+  // Disconnects every peer and detaches from the channel; a serve() in another thread returns.
+  void close() {
+    auto turn = take_last_turn(turn_);
+    server_.reset();
+    peers_ = 0;
+  }
+
+ private:
+  net::Server& live() {
+    if (!server_) throw Error(ErrorCode::InvalidArgument, "server of channel '" + channel_ + "' is closed");
+    return *server_;
+  }
+
+  static std::chrono::milliseconds milliseconds(double seconds, const char* name) {
+    if (!(seconds > 0 && seconds <= 1e9)) {
+      throw Error(ErrorCode::InvalidArgument, std::string(name) + " must be seconds > 0, not " + as_text(seconds));
+    }
+    return std::chrono::ceil<std::chrono::milliseconds>(std::chrono::duration<double>(seconds));
+  }
+
+  Turns turn_;
+  std::string channel_;
+  std::string address_;
+  std::optional<net::Server> server_;  // none once closed
+  std::atomic<std::uint32_t> peers_ = 0;
+  std::atomic<std::uint64_t> served_ = 0;
+};
+
+}  // namespace tensorbucket::python

@@ -1,0 +1,218 @@
+"""tensorbucket.Server, the Python side of `tbucket serve`, on this host (UCX's shared-memory
+and loopback transports): a Python trainer's buckets served from Python, relayed by `tbucket
+relay`, received by a Python Subscriber byte for byte; its errors; and how many relays a server
+admits (`--max-peers`).
+
+Needs the Python module built with UCX (PYTHONPATH, as the `net` suite sets it) and the network
+build of tbucket (TBUCKET)."""
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+from test_hosts import TBUCKET, make_token, tbucket_has_network, wait_for
+
+tensorbucket = pytest.importorskip("tensorbucket")
+pytestmark = [
+    pytest.mark.skipif(not hasattr(tensorbucket._C, "Server"), reason="tensorbucket built without UCX"),
+    pytest.mark.skipif(not tbucket_has_network(), reason="tbucket built without UCX (no relay)"),
+]
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def weights(version):
+    """A small model's worth of tensors, different at every version."""
+    generator = torch.Generator().manual_seed(version)
+    return {
+        "embed.weight": torch.randn(64, 256, generator=generator),
+        "layers.0.bias": torch.arange(300, dtype=torch.int64) * version,
+        "head.weight": torch.randn(32, 33, generator=generator).to(torch.bfloat16),
+        "scale": torch.tensor(float(version)),
+    }
+
+
+@pytest.fixture
+def procs():
+    started = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in started:
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def relay(procs, tmp_path, name, address, up, down, token, *args):
+    log = open(tmp_path / f"{name}.log", "w")
+    proc = subprocess.Popen([TBUCKET, "relay", "--connect", address, "--channel", up, "--as", down, "--token-file",
+                             str(token), *args], stdout=log, stderr=subprocess.STDOUT)
+    procs.append(proc)
+    return proc
+
+
+def test_python_trainer_served_from_python_reaches_a_python_server_byte_for_byte(tmp_path, procs):
+    token = make_token(tmp_path / "token")
+    tag, count = os.getpid(), 40
+    up, down = f"pyup{tag}", f"pydown{tag}"
+    errors = []
+
+    def train():
+        try:
+            with tensorbucket.Publisher(up, slots=2) as publisher:
+                for version in range(count):
+                    publisher.publish(weights(version), version=version, timeout=60)
+                publisher.drain(timeout=60)
+        except Exception as e:  # reported by the main thread
+            errors.append(e)
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    with tensorbucket.Server(up, f"127.0.0.1:{free_port()}", token, peer_timeout=5, timeout=30) as server:
+        serving = threading.Thread(target=server.serve)  # until close()
+        serving.start()
+        relay(procs, tmp_path, "relay", server.address, up, down, token)
+        with tensorbucket.Subscriber(down, timeout=30) as subscriber:
+            for version in range(count):
+                bucket = subscriber.next(timeout=30)
+                assert bucket is not None, (tmp_path / "relay.log").read_text()
+                assert bucket.version == version
+                expected = weights(version)
+                assert sorted(bucket.keys()) == sorted(expected)
+                for name, tensor in expected.items():
+                    assert bucket[name].dtype == tensor.dtype and torch.equal(bucket[name], tensor), name
+                bucket.release()
+        wait_for(lambda: server.peers == 1, 5, "the relay among the peers")  # as of serve()'s last slice
+        trainer.join(timeout=60)
+        assert not errors, errors
+        server.close()  # from this thread: serve() in the other one returns
+        serving.join(timeout=10)
+        assert not serving.is_alive()
+        assert server.buckets_served == count and server.peers == 0
+    with pytest.raises(tensorbucket.InvalidArgument, match="closed"):
+        server.serve(0.1)
+
+
+def test_server_errors_name_what_is_wrong(tmp_path):
+    token = make_token(tmp_path / "token")
+    channel = f"pyerr{os.getpid()}"
+    with pytest.raises(tensorbucket.ChannelError, match="no live producer") as missing:
+        tensorbucket.Server(channel, "127.0.0.1:0", token, timeout=0.2)
+    assert missing.value.code == "ChannelMissing"
+
+    readable = make_token(tmp_path / "readable")
+    readable.chmod(0o644)
+    with pytest.raises(tensorbucket.ChannelError, match="readable") as denied:
+        tensorbucket.Server(channel, "127.0.0.1:0", readable, timeout=0.2)
+    assert denied.value.code == "PermissionDenied"
+
+    with tensorbucket.Publisher(channel, min_consumers=0):
+        with pytest.raises(tensorbucket.InvalidArgument, match="port"):
+            tensorbucket.Server(channel, "127.0.0.1", token)
+        with pytest.raises(tensorbucket.NetworkError) as unbound:
+            tensorbucket.Server(channel, "192.0.2.1:0", token)  # TEST-NET-1: not this host's
+        assert unbound.value.code == "NetworkError"
+        with pytest.raises(tensorbucket.InvalidArgument, match="peer_timeout"):
+            tensorbucket.Server(channel, "127.0.0.1:0", token, peer_timeout=0)
+        with pytest.raises(tensorbucket.InvalidArgument, match="window"):
+            tensorbucket.Server(channel, "127.0.0.1:0", token, window=0)
+        with pytest.raises(TypeError, match="listen"):
+            tensorbucket.Server(channel, 8080, token)  # type: ignore[arg-type]
+
+        with tensorbucket.Server(channel, "127.0.0.1:0", token) as server:
+            host, port = server.address.rsplit(":", 1)
+            assert host == "127.0.0.1" and int(port) > 0
+            started = time.monotonic()
+            server.serve(0.3)  # no relay: nothing to do, and it returns on time
+            assert 0.3 <= time.monotonic() - started < 5
+            assert server.peers == 0 and server.buckets_served == 0
+
+
+def test_max_peers_turns_a_relay_away_until_one_leaves(tmp_path, procs):
+    """With --max-peers 1, a second relay is turned away, retries, and is admitted once the
+    first one is gone; its servers then get every bucket from there on, in order."""
+    token = make_token(tmp_path / "token")
+    tag = os.getpid()
+    up = f"mpup{tag}"
+    address = f"127.0.0.1:{free_port()}"
+    serve_log = open(tmp_path / "serve.log", "w")
+    procs.append(subprocess.Popen([TBUCKET, "produce", "--channel", up, "--buckets", "100000", "--tensors", "4",
+                                   "--tensor-bytes", "4096", "--quiet", "--timeout-ms", "60000", "--interval-ms", "5"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+    procs.append(subprocess.Popen([TBUCKET, "serve", "--channel", up, "--listen", address, "--token-file", str(token),
+                                   "--max-peers", "1"], stdout=serve_log, stderr=subprocess.STDOUT))
+    first = relay(procs, tmp_path, "first", address, up, f"mpone{tag}", token, "--consumers", "0")
+    wait_for(lambda: "connected" in (tmp_path / "first.log").read_text(), 30, "the first relay to connect")
+    second = relay(procs, tmp_path, "second", address, up, f"mptwo{tag}", token)
+    wait_for(lambda: "max_peers" in (tmp_path / "serve.log").read_text(), 30, "the second relay to be turned away")
+    assert second.poll() is None  # turned away is not fatal: it retries
+
+    consumer_log = open(tmp_path / "consumer.log", "w")
+    consumer = subprocess.Popen([TBUCKET, "consume", "--channel", f"mptwo{tag}", "--buckets", "20", "--verify",
+                                 "--json", "--quiet", "--timeout-ms", "60000"], stdout=consumer_log,
+                                stderr=subprocess.STDOUT)
+    procs.append(consumer)
+    time.sleep(1)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=15) == 128 + signal.SIGTERM
+    assert consumer.wait(timeout=60) == 0, (tmp_path / "second.log").read_text()
+    lines = [json.loads(line) for line in (tmp_path / "consumer.log").read_text().splitlines() if line.startswith("{")]
+    assert len(lines) == 20 and all(line["ok"] for line in lines)
+    versions = [line["version"] for line in lines]
+    assert versions == sorted(versions) and len(set(versions)) == 20
+
+
+def test_a_relay_whose_servers_stall_drops_the_link_and_resumes_at_the_next_update(tmp_path, procs):
+    """The relay's local server stops (SIGSTOP) with the local slots full: the relay's local
+    publish times out (--timeout-ms), it drops the link instead of holding the served channel,
+    and once the server runs again it resumes with newer buckets, none torn or twice."""
+    token = make_token(tmp_path / "token")
+    tag = os.getpid()
+    up, down = f"stup{tag}", f"stdown{tag}"
+    address = f"127.0.0.1:{free_port()}"
+    procs.append(subprocess.Popen([TBUCKET, "produce", "--channel", up, "--buckets", "100000", "--tensors", "4",
+                                   "--tensor-bytes", "4096", "--quiet", "--timeout-ms", "60000", "--interval-ms", "5"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+    serve_log = open(tmp_path / "serve.log", "w")
+    procs.append(subprocess.Popen([TBUCKET, "serve", "--channel", up, "--listen", address, "--token-file", str(token),
+                                   "--peer-timeout-ms", "3000"], stdout=serve_log, stderr=subprocess.STDOUT))
+    relay(procs, tmp_path, "relay", address, up, down, token, "--timeout-ms", "1000")
+    consumer_log = open(tmp_path / "consumer.log", "w")
+    consumer = subprocess.Popen([TBUCKET, "consume", "--channel", down, "--buckets", "60", "--verify", "--json",
+                                 "--quiet", "--timeout-ms", "60000"], stdout=consumer_log, stderr=subprocess.STDOUT)
+    procs.append(consumer)
+
+    def received():
+        return [json.loads(line) for line in (tmp_path / "consumer.log").read_text().splitlines()
+                if line.startswith("{")]
+
+    wait_for(lambda: len(received()) >= 10, 60, "the first buckets through the relay")
+    consumer.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: "no local slot came free" in (tmp_path / "relay.log").read_text(), 30,
+                 "the relay to give up on its stalled server")
+        time.sleep(1)
+    finally:
+        consumer.send_signal(signal.SIGCONT)
+    assert consumer.wait(timeout=60) == 0, (tmp_path / "relay.log").read_text()
+    lines = received()
+    assert len(lines) == 60 and all(line["ok"] for line in lines)
+    versions = [line["version"] for line in lines]
+    assert all(a < b for a, b in zip(versions, versions[1:])), versions
+    assert versions[-1] - versions[0] > 59, "no bucket was skipped while the server was stopped"
+    assert (tmp_path / "relay.log").read_text().count("connected to") >= 2  # and connected again
