@@ -14,7 +14,7 @@ run:
 - latency of 1000 x 1 KiB buckets: a Python trainer in host a publishes one every 20 ms, its
   version the CLOCK_MONOTONIC time just before publish() (the hosts share the machine's clock);
   a Python server in host b takes each from the relay's channel: the median of version -> the
-  views in hand in host b, Python's publish (~0.2 ms for 1000 tensors) included. Beside it,
+  views in hand in host b, Python's publish (0.3-1 ms for 1000 tensors) included. Beside it,
   `ucx_perftest -t tag_lat` with one message of the same bytes (its one-way latency: half a
   round trip).
 - gloo: torch.distributed.broadcast of the same 256 MiB and 1000 KiB flat tensors, rank 0 in
