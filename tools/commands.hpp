@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "workload.hpp"
 
@@ -67,6 +69,30 @@ struct BenchOptions {
   std::uint64_t tensor_bytes = 0;  // not 0: only the copy and in-place figures, 1000 tensors of this size
 };
 
+// `tbucket publish-file` and `tbucket save`: safetensors files in and out (files.cpp).
+struct PublishFileOptions {
+  std::string channel;
+  std::vector<std::string> files;
+  std::uint64_t bucket_bytes = 0;  // 0: one bucket per file
+  std::optional<std::uint64_t> version;  // none: the first file's tensorbucket.version, else 0
+  std::uint32_t slots = 2;
+  std::uint32_t consumers = 1;
+  std::uint32_t max_consumers = 8;
+  std::uint32_t update_buckets = 1;
+  std::string policy = "block";
+  bool checksum = false;
+  std::string device = "host";
+  std::uint64_t timeout_ms = 10000;
+};
+
+struct SaveOptions {
+  std::string channel;
+  std::string out;
+  std::uint64_t updates = 1;
+  bool per_bucket = false;  // one file per bucket instead of one per update
+  std::uint64_t timeout_ms = 10000;
+};
+
 // `tbucket serve` and `tbucket relay` (built where UCX is: network.cpp).
 struct ServeCommandOptions {
   std::string channel;
@@ -96,6 +122,8 @@ struct RelayOptions {
   bool quiet = false;
 };
 
+int run_publish_file(const PublishFileOptions& options);
+int run_save(const SaveOptions& options);
 int run_serve(const ServeCommandOptions& options);
 int run_relay(const RelayOptions& options);
 

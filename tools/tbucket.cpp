@@ -155,6 +155,46 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->excludes(bench_size);
 
+  cli::PublishFileOptions publish_file;
+  auto* publish_file_command = app.add_subcommand(
+      "publish-file", "Publish safetensors files as one update, each read once straight into the slots");
+  publish_file_command->add_option("--channel", publish_file.channel, "Channel name")->required();
+  publish_file_command->add_option("files", publish_file.files, "FILE.safetensors ...")->required()->check(CLI::ExistingFile);
+  publish_file_command->add_option("--bucket-bytes", publish_file.bucket_bytes,
+                                   "Split each file into buckets of at most this many bytes (0: one bucket per file)")
+      ->check(whole_number(0, kAny));
+  publish_file_command->add_option("--version", publish_file.version,
+                                   "The update's version (default: the first file's tensorbucket.version, else 0)")
+      ->check(whole_number(0, kAny));
+  publish_file_command->add_option("--slots", publish_file.slots, "Slots (buckets in flight)")->check(whole_number(1, 16));
+  publish_file_command->add_option("--consumers", publish_file.consumers,
+                                   "Releases each bucket needs before its slot is reused (min_consumers)")
+      ->check(whole_number(0, 64));
+  publish_file_command->add_option("--max-consumers", publish_file.max_consumers, "Consumer records")
+      ->check(whole_number(1, 64));
+  publish_file_command->add_option("--update-buckets", publish_file.update_buckets,
+                                   "`latest`: the most buckets an update has")
+      ->check(whole_number(1, 16));
+  publish_file_command->add_option("--policy", publish_file.policy, "block or latest")
+      ->check(CLI::IsMember({"block", "latest"}));
+  publish_file_command->add_flag("--checksum", publish_file.checksum, "Hash every payload");
+  publish_file_command->add_option("--device", publish_file.device, "Where the payloads live: host, cuda, cuda:N");
+  publish_file_command->add_option("--timeout-ms", publish_file.timeout_ms,
+                                   "Longest wait for a free slot, and for consumers to release everything")
+      ->check(whole_number(0, kAny));
+
+  cli::SaveOptions save;
+  auto* save_command = app.add_subcommand("save", "Write the updates a channel carries as safetensors files");
+  save_command->add_option("--channel", save.channel, "Channel name")->required();
+  save_command->add_option("out", save.out, "OUT.safetensors")->required();
+  save_command->add_option("--updates", save.updates,
+                           "Updates to save; past one, each file is named OUT's stem, -vVERSION, .safetensors")
+      ->check(whole_number(1, kAny));
+  save_command->add_flag("--per-bucket", save.per_bucket,
+                         "One file per bucket, named OUT's stem, -vVERSION-bINDEX, .safetensors");
+  save_command->add_option("--timeout-ms", save.timeout_ms, "Longest wait for the channel and for each update")
+      ->check(whole_number(0, kAny));
+
 #ifdef TENSORBUCKET_NET
   cli::ServeCommandOptions serve;
   auto* serve_command = app.add_subcommand("serve", "Serve a local channel to relays on other hosts (UCX)");
@@ -205,7 +245,7 @@ int main(int argc, char** argv) {
   auto named = [&](const CLI::App* command) { return command->get_name() == argv[1]; };
   if (argc > 1 && argv[1][0] != '-' && app.get_subcommands(named).empty()) {
     std::fprintf(stderr, "tbucket: usage: unknown command '%s'; the commands are produce, consume, "
-                 "inspect, list, rm, %s (see tbucket --help)\n", argv[1],
+                 "inspect, list, rm, publish-file, save, %s (see tbucket --help)\n", argv[1],
 #ifdef TENSORBUCKET_NET
                  "demo, bench, serve and relay"
 #else
@@ -228,6 +268,8 @@ int main(int argc, char** argv) {
     if (*remove_command) return cli::run_remove(remove);
     if (*demo_command) return cli::run_demo(demo);
     if (*bench_command) return cli::run_bench(bench);
+    if (*publish_file_command) return cli::run_publish_file(publish_file);
+    if (*save_command) return cli::run_save(save);
 #ifdef TENSORBUCKET_NET
     if (*serve_command) return cli::run_serve(serve);
     if (*relay_command) return cli::run_relay(relay);

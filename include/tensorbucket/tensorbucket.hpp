@@ -8,3 +8,4 @@
 #include "tensorbucket/error.hpp"
 #include "tensorbucket/header.hpp"
 #include "tensorbucket/manifest.hpp"
+#include "tensorbucket/safetensors.hpp"

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "errors.hpp"
+#include "files.hpp"
 #include "load.hpp"
 #include "publisher.hpp"
 #include "received.hpp"
@@ -49,6 +50,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("checksum"), py::arg("mode"), py::arg("device"), py::arg("policy"), py::arg("update_buckets"))
       .def("publish", &PyPublisher::publish, py::arg("tensors"), py::arg("version"), py::arg("bucket_index"),
            py::arg("bucket_count"), py::arg("groups"), py::arg("timeout"))
+      .def("publish_file", &PyPublisher::publish_file, py::arg("paths"), py::arg("version"), py::arg("bucket_bytes"),
+           py::arg("timeout"))
       .def("drain", &PyPublisher::drain, py::arg("timeout"))
       .def("close", &PyPublisher::close)
       .def_property_readonly("published", &PyPublisher::published)
@@ -96,6 +99,7 @@ PYBIND11_MODULE(_C, m) {
       .def("close", &PySubscriber::close);
 
   m.def("load_into", &load_into, py::arg("module"), py::arg("tensors"));
+  m.def("save", &save, py::arg("received"), py::arg("path"));
 
 #ifdef TENSORBUCKET_NET  // built where UCX is found
   py::class_<PyServer>(m, "Server")

@@ -75,6 +75,38 @@ class PyPublisher {
     publish_staged(version, bucket_index, bucket_count, deadline);
   }
 
+  // Publishes safetensors files as one update (safetensors::publish_files), without the GIL;
+  // Ctrl+C stops it between the wait slices, leaving the update unfinished. The buckets.
+  std::uint32_t publish_file(const std::vector<std::string>& paths, std::optional<std::uint64_t> version,
+                             std::uint64_t bucket_bytes, std::optional<double> timeout) {
+    auto deadline = deadline_in(timeout);
+    auto turn = take_turn(turn_, deadline);
+    if (!turn) throw WaitTimeout{"another thread's call on channel '" + publisher_.channel() + "' took the whole timeout; nothing was published"};
+    stop_if_closing("; nothing was published");
+    auto wait = deadline ? std::chrono::ceil<std::chrono::milliseconds>(std::max(*deadline - Clock::now(), Clock::duration(0)))
+                         : std::chrono::milliseconds(std::chrono::hours(24 * 365 * 100));
+    bool signalled = false;
+    auto result = OutsideGil::run([&] {
+      return safetensors::publish_files(publisher_, paths, {.version = version, .bucket_bytes = bucket_bytes, .timeout = wait,
+                                                            .interrupted = [&] {
+                                                              if (OutsideGil::exiting_now()) return true;
+                                                              py::gil_scoped_acquire gil;
+                                                              signalled = PyErr_CheckSignals() != 0;
+                                                              return signalled || turn_.closing.load();
+                                                            }});
+    });
+    published_ = publisher_.published();
+    if (signalled) throw py::error_already_set();
+    stop_if_closing("; the update stays unfinished");
+    if (result.published < result.buckets) {
+      auto waited_for = publisher_.waiting_for();
+      throw WaitTimeout{"no slot of channel '" + publisher_.channel() + "' came free in time for bucket " +
+                        std::to_string(result.published) + " of " + std::to_string(result.buckets) + ", waiting for " +
+                        (waited_for.empty() ? std::string("a consumer") : waited_for) + "; the update stays unfinished"};
+    }
+    return result.buckets;
+  }
+
   bool drain(std::optional<double> timeout) {
     auto deadline = deadline_in(timeout);
     auto turn = take_turn(turn_, deadline);

@@ -86,6 +86,10 @@ class OutsideGil {
     while (outside != parked) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 
+  // Whether the interpreter is exiting: a thread outside the GIL must not take it back then,
+  // but end its work, and park.
+  static bool exiting_now() noexcept { return exiting; }
+
   // In a forked child, whose only thread is the one that forked (holding the GIL): the
   // parent's other threads were counted but are not there to park.
   static void forget_other_threads() {

@@ -57,6 +57,7 @@ __all__ = [
     "Timeout",
     "Update",
     "load_into",
+    "save",
 ]
 
 #: What publish() takes: a mapping {name: tensor} (a state_dict, a Bucket) or (name, tensor)
@@ -216,6 +217,39 @@ class Publisher:
             _integer("bucket_index", bucket_index, 0, _U32),
             _integer("bucket_count", bucket_count, 0, _U32),
             groups,
+            _seconds("timeout", timeout),
+        )
+
+    def publish_file(
+        self,
+        paths: Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]]],
+        version: Optional[int] = None,
+        bucket_bytes: int = 0,
+        timeout: Optional[float] = 10.0,
+    ) -> int:
+        """Publish safetensors files as one update, each read once straight into the slots.
+
+        paths: one file, or several: their tensors make one update, in order.
+        version: the update's; None takes the first file's "tensorbucket.version" metadata
+            (what save() writes), else 0.
+        bucket_bytes: 0 publishes one bucket per file; otherwise each file's tensors are split,
+            in file order, into buckets of at most this many bytes (a larger tensor alone).
+        timeout: how long each bucket waits for a free slot. Timeout then says what it waited
+            for; the update stays unfinished (consumers of whole updates never see it).
+
+        Every file's header is checked before anything is published: a file that is not
+        safetensors, or has a dtype tensorbucket does not carry, raises ManifestError naming the
+        entry; one that cannot be read raises Error (SystemError). Returns the buckets published.
+        """
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        files = [os.fspath(path) for path in paths]
+        if not files:
+            raise _error(InvalidArgument, "publish_file needs at least one file")
+        return self._impl.publish_file(
+            files,
+            None if version is None else _integer("version", version, 0, _U64),
+            _integer("bucket_bytes", bucket_bytes, 0, _U64),
             _seconds("timeout", timeout),
         )
 
@@ -613,3 +647,20 @@ def load_into(module: Union[torch.nn.Module, Mapping[str, torch.Tensor]],
         _C.load_into(module, tensors._impl)
     else:
         _C.load_into(module, tensors)
+
+
+def save(received: Union[Bucket, Update], path: Union[str, "os.PathLike[str]"]) -> None:
+    """Write a received Bucket, or a whole Update, as one safetensors file at `path`.
+
+    Its tensors lie in the buckets' order; its metadata carries "tensorbucket.version" and
+    "tensorbucket.bucket_count" (and "tensorbucket.bucket_index" for one bucket of a split
+    update), as strings. safetensors.torch.load_file reads it, and Publisher.publish_file
+    publishes it again. A device bucket's bytes are copied to the host first. The file is
+    written beside `path` and renamed over it, so a failure leaves nothing behind.
+
+    Raises ManifestError (BadName) for a name that is not UTF-8, and Error (SystemError) when
+    the file cannot be written.
+    """
+    if not isinstance(received, (Bucket, Update)):
+        raise TypeError(f"received must be a tensorbucket.Bucket or Update, not {_type_name(received)}")
+    _C.save(received._impl, os.fspath(path))

@@ -1,0 +1,45 @@
+// tensorbucket.save(): a received Bucket or Update written as a safetensors file.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+#include "received.hpp"
+#include "tensorbucket/tensorbucket.hpp"
+#include "waits.hpp"
+
+namespace tensorbucket::python {
+
+namespace py = pybind11;
+
+// Writes without the GIL; a device bucket's bytes are copied to the host first.
+inline void save(const py::handle& received, const std::string& path) {
+  std::vector<const ReceivedBucket*> buckets;
+  if (py::isinstance<PyBucket>(received)) {
+    buckets.push_back(received.cast<const PyBucket&>().received().get());
+  } else if (py::isinstance<PyUpdate>(received)) {
+    for (const auto& bucket : received.cast<const PyUpdate&>().received().buckets()) buckets.push_back(&bucket);
+  } else {
+    throw py::type_error("save() takes a tensorbucket.Bucket or Update");
+  }
+  OutsideGil::run([&] {
+    std::vector<std::vector<std::byte>> copies;
+    std::vector<BucketView> views;
+    views.reserve(buckets.size());
+    for (const auto* bucket : buckets) {
+      if (bucket->view().location().on_host()) {
+        views.push_back(bucket->view());
+      } else {
+        copies.push_back(bucket->copy_to_host());
+        views.push_back(BucketView::open(bucket->view().frame(), copies.back()));
+      }
+    }
+    std::vector<const BucketView*> pointers;
+    for (const auto& view : views) pointers.push_back(&view);
+    safetensors::save(pointers, path);
+  });
+}
+
+}  // namespace tensorbucket::python

@@ -1,0 +1,278 @@
+// safetensors files read into slots and written from buckets.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "serialize/text.hpp"
+#include "tensorbucket/safetensors.hpp"
+
+namespace tensorbucket::safetensors {
+namespace {
+
+using text::fail;
+using text::Quoted;
+
+[[noreturn]] void fail_errno(const std::string& doing, const std::string& path) {
+  fail(ErrorCode::SystemError, doing, " ", path, ": ", std::strerror(errno));
+}
+
+// A file descriptor, closed when done.
+class File {
+ public:
+  File(const std::string& path, int flags, mode_t mode = 0) : path_(path), fd_(::open(path.c_str(), flags | O_CLOEXEC, mode)) {
+    if (fd_ < 0) fail_errno((flags & O_ACCMODE) == O_RDONLY ? "cannot open" : "cannot create", path);
+  }
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+  ~File() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  std::uint64_t size() const {
+    struct stat info {};
+    if (::fstat(fd_, &info) != 0) fail_errno("cannot stat", path_);
+    if (!S_ISREG(info.st_mode)) fail(ErrorCode::SystemError, path_, " is not a regular file");
+    return static_cast<std::uint64_t>(info.st_size);
+  }
+
+  // Exactly `into.size()` bytes from `offset`; SystemError at an early end (the file shrank).
+  void read_at(std::span<std::byte> into, std::uint64_t offset) const {
+    while (!into.empty()) {
+      auto got = ::pread(fd_, into.data(), into.size(), static_cast<off_t>(offset));
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0) fail_errno("cannot read", path_);
+      if (got == 0) fail(ErrorCode::SystemError, path_, " ended at byte ", offset, ": it changed while it was read");
+      into = into.subspan(static_cast<std::size_t>(got));
+      offset += static_cast<std::uint64_t>(got);
+    }
+  }
+
+  void write_all(std::span<const std::byte> bytes) const {
+    while (!bytes.empty()) {
+      auto put = ::write(fd_, bytes.data(), bytes.size());
+      if (put < 0 && errno == EINTR) continue;
+      if (put < 0) fail_errno("cannot write", path_);
+      bytes = bytes.subspan(static_cast<std::size_t>(put));
+    }
+  }
+
+  void sync() const {
+    if (::fsync(fd_) != 0) fail_errno("cannot sync", path_);
+  }
+
+ private:
+  std::string path_;
+  int fd_;
+};
+
+FileHeader read_header(const File& file, const std::string& path) {
+  auto file_bytes = file.size();
+  std::vector<std::byte> head(std::min<std::uint64_t>(8, file_bytes));
+  file.read_at(head, 0);
+  if (file_bytes >= 8) {
+    std::uint64_t length = 0;
+    for (int i = 7; i >= 0; --i) length = length << 8 | static_cast<std::uint8_t>(head[i]);
+    // A length past the limits is parse_header()'s to refuse, before anything is allocated.
+    if (length <= kMaxHeaderBytes && length <= file_bytes - 8) {
+      head.resize(8 + length);
+      file.read_at(std::span(head).subspan(8), 8);
+    }
+  }
+  return parse_header(head, file_bytes, path);
+}
+
+// One bucket of a file: the range of its tensors (file order) in the header.
+struct Part {
+  std::size_t file;
+  std::size_t first, last;  // [first, last)
+};
+
+std::uint64_t aligned(std::uint64_t bytes) { return (bytes + kPayloadAlignment - 1) / kPayloadAlignment * kPayloadAlignment; }
+
+// The buckets of one file: its tensors, in order, cut where a bucket would pass `budget`.
+void split(std::size_t file, const FileHeader& header, std::uint64_t budget, std::vector<Part>& parts) {
+  Part part{file, 0, 0};
+  std::uint64_t bytes = 0;
+  for (std::size_t i = 0; i < header.tensors.size(); ++i) {
+    auto size = aligned(header.tensors[i].end - header.tensors[i].begin);
+    if (budget != 0 && part.last > part.first && bytes + size > budget) {
+      parts.push_back(part);
+      part = {file, i, i};
+      bytes = 0;
+    }
+    part.last = i + 1;
+    bytes += size;
+  }
+  parts.push_back(part);  // a file with no tensors is one empty bucket
+}
+
+std::optional<std::uint64_t> version_in(const FileHeader& header) {
+  for (const auto& [key, value] : header.metadata) {
+    if (key != "tensorbucket.version") continue;
+    std::uint64_t version = 0;
+    auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), version);
+    if (error == std::errc() && end == value.data() + value.size()) return version;
+  }
+  return std::nullopt;
+}
+
+// A name as JSON: BadName for bytes that are not UTF-8.
+std::string json_string(std::string_view name) {
+  try {
+    return nlohmann::json(name).dump();
+  } catch (const nlohmann::json::type_error&) {
+    fail(ErrorCode::BadName, "tensor ", Quoted{name}, " is not UTF-8, which a safetensors header (JSON) needs");
+  }
+}
+
+// A slot for `layout`, waiting at most options.timeout, in slices between which
+// options.interrupted is asked.
+std::optional<Reservation> reserve(Publisher& publisher, const BucketBuilder& layout, const PublishFileOptions& options) {
+  using namespace std::chrono;
+  constexpr auto kSlice = milliseconds(50);
+  auto start = steady_clock::now();
+  for (;;) {
+    auto spent = duration_cast<milliseconds>(steady_clock::now() - start);
+    auto slice = options.interrupted ? std::clamp(options.timeout - spent, milliseconds(0), kSlice)
+                                     : std::max(options.timeout - spent, milliseconds(0));
+    if (auto reservation = publisher.reserve(layout, slice)) return reservation;
+    if (spent + slice >= options.timeout || (options.interrupted && options.interrupted())) return std::nullopt;
+  }
+}
+
+}  // namespace
+
+FileHeader read_header(const std::string& path) {
+  File file(path, O_RDONLY);
+  return read_header(file, path);
+}
+
+FilePublish publish_files(Publisher& publisher, std::span<const std::string> paths, const PublishFileOptions& options) {
+  if (paths.empty()) throw Error(ErrorCode::InvalidArgument, "publish_files needs at least one file");
+  // Every header first: a bad file publishes nothing.
+  std::vector<std::unique_ptr<File>> files;
+  std::vector<FileHeader> headers;
+  std::vector<Part> parts;
+  for (std::size_t i = 0; i < paths.size(); ++i) {
+    files.push_back(std::make_unique<File>(paths[i], O_RDONLY));
+    headers.push_back(read_header(*files.back(), paths[i]));
+    split(i, headers.back(), options.bucket_bytes, parts);
+  }
+  if (parts.size() > UINT32_MAX) throw Error(ErrorCode::InvalidArgument, "more buckets than an update can count");
+  FilePublish result{.version = options.version.value_or(version_in(headers.front()).value_or(0)),
+                     .buckets = static_cast<std::uint32_t>(parts.size())};
+  // Every bucket's layout, checked by the builder (names it refuses, names in two files)
+  // before the first is published.
+  std::vector<BucketBuilder> layouts(parts.size());
+  std::unordered_set<std::string_view> names;
+  for (std::uint32_t b = 0; b < result.buckets; ++b) {
+    const auto& part = parts[b];
+    auto& layout = layouts[b];
+    layout.version(result.version).bucket(b, result.buckets);
+    for (auto i = part.first; i < part.last; ++i) {
+      const auto& tensor = headers[part.file].tensors[i];
+      if (!names.insert(tensor.name).second) {
+        fail(ErrorCode::DuplicateName, paths[part.file], ": tensor ", Quoted{tensor.name}, " is in an earlier file too");
+      }
+      layout.declare(tensor.name, tensor.dtype, tensor.shape);
+    }
+  }
+
+  std::vector<std::byte> staging;  // a device channel's: one tensor at a time
+  bool on_host = publisher.location().on_host();
+  for (std::uint32_t b = 0; b < result.buckets; ++b) {
+    const auto& part = parts[b];
+    const auto& file = *files[part.file];
+    const auto& header = headers[part.file];
+    auto reservation = reserve(publisher, layouts[b], options);
+    if (!reservation) return result;  // nothing reserved: the update stays unfinished
+    auto spans = reservation->entry_spans();
+    for (auto i = part.first; i < part.last; ++i) {
+      const auto& tensor = header.tensors[i];
+      auto span = spans[i - part.first];
+      if (span.empty()) continue;
+      if (on_host) {
+        file.read_at(span, header.data_offset + tensor.begin);  // straight into the slot
+      } else {
+        staging.resize(span.size());
+        file.read_at(staging, header.data_offset + tensor.begin);
+        reservation->write(i - part.first, staging.data());  // from pageable memory: taken on return
+      }
+    }
+    reservation->commit();
+    ++result.published;
+  }
+  return result;
+}
+
+void save(std::span<const BucketView* const> buckets, const std::string& path) {
+  if (buckets.empty()) throw Error(ErrorCode::InvalidArgument, "save needs at least one bucket");
+  const auto& first = *buckets.front();
+  for (const auto* bucket : buckets) {
+    if (!bucket->location().on_host()) {
+      throw Error(ErrorCode::InvalidArgument, "save reads payloads on the host: copy a device bucket's first");
+    }
+    if (bucket->version() != first.version()) {
+      throw Error(ErrorCode::InvalidArgument, "save writes one update: buckets of versions " +
+                                                  std::to_string(first.version()) + " and " +
+                                                  std::to_string(bucket->version()));
+    }
+  }
+  // The header: every tensor contiguous, in the buckets' order, as the safetensors package
+  // requires; padded with spaces to a multiple of 8 bytes, as it writes them.
+  std::string json = "{\"__metadata__\":{\"tensorbucket.version\":\"" + std::to_string(first.version()) +
+                     "\",\"tensorbucket.bucket_count\":\"" + std::to_string(first.bucket_count()) + "\"";
+  if (buckets.size() == 1 && first.bucket_count() > 1) {
+    json += ",\"tensorbucket.bucket_index\":\"" + std::to_string(first.bucket_index()) + "\"";
+  }
+  json += "}";
+  std::unordered_set<std::string_view> names;
+  std::uint64_t offset = 0;
+  for (const auto* bucket : buckets) {
+    for (std::size_t i = 0; i < bucket->size(); ++i) {
+      auto tensor = (*bucket)[i];
+      if (!names.insert(tensor.name).second) {
+        fail(ErrorCode::DuplicateName, "tensor ", Quoted{tensor.name}, " is in two of the buckets saved");
+      }
+      json += "," + json_string(tensor.name) + ":{\"dtype\":\"" + std::string(dtype_name(tensor.dtype)) + "\",\"shape\":[";
+      for (std::size_t d = 0; d < tensor.shape.size(); ++d) json += (d ? "," : "") + std::to_string(tensor.shape[d]);
+      json += "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(offset + tensor.bytes.size()) + "]}";
+      offset += tensor.bytes.size();
+    }
+  }
+  json += "}";
+  json.append((8 - json.size() % 8) % 8, ' ');
+  std::byte length[8];
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<std::byte>(json.size() >> (8 * i));
+
+  // Beside the target, then renamed over it: a reader never sees half a file.
+  auto temporary = path + ".tmp-" + std::to_string(::getpid());
+  File file(temporary, O_WRONLY | O_CREAT | O_EXCL, 0644);
+  try {
+    file.write_all(length);
+    file.write_all(std::as_bytes(std::span(json)));
+    for (const auto* bucket : buckets) {
+      for (std::size_t i = 0; i < bucket->size(); ++i) file.write_all((*bucket)[i].bytes);
+    }
+    file.sync();
+    if (::rename(temporary.c_str(), path.c_str()) != 0) fail_errno("cannot rename " + temporary + " to", path);
+  } catch (...) {
+    ::unlink(temporary.c_str());
+    throw;
+  }
+}
+
+}  // namespace tensorbucket::safetensors

@@ -1,0 +1,289 @@
+// safetensors files (safetensors.hpp): the header parser against hostile headers, each refusal
+// typed and naming the entry; files published into a channel and saved back, byte for byte.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "tensorbucket/tensorbucket.hpp"
+
+using namespace tensorbucket;
+namespace st = tensorbucket::safetensors;
+
+namespace {
+
+std::vector<std::byte> file_of(const std::string& json, std::size_t data_bytes, std::byte fill = std::byte{0}) {
+  std::vector<std::byte> file(8 + json.size() + data_bytes, fill);
+  for (int i = 0; i < 8; ++i) file[i] = static_cast<std::byte>(static_cast<std::uint64_t>(json.size()) >> (8 * i));
+  std::memcpy(file.data() + 8, json.data(), json.size());
+  return file;
+}
+
+st::FileHeader parse(const std::string& json, std::size_t data_bytes) {
+  auto file = file_of(json, data_bytes);
+  return st::parse_header(file, file.size(), "model.safetensors");
+}
+
+// The code and message of parsing `json` before `data_bytes` of data.
+std::pair<ErrorCode, std::string> refusal(const std::string& json, std::size_t data_bytes = 64) {
+  try {
+    parse(json, data_bytes);
+  } catch (const Error& e) {
+    return {e.code(), e.what()};
+  }
+  ADD_FAILURE() << "accepted: " << json;
+  return {ErrorCode::InvalidArgument, ""};
+}
+
+std::string tensor(const std::string& dtype, const std::string& shape, std::uint64_t begin, std::uint64_t end) {
+  return "{\"dtype\":\"" + dtype + "\",\"shape\":" + shape + ",\"data_offsets\":[" + std::to_string(begin) + "," +
+         std::to_string(end) + "]}";
+}
+
+class TempDir {
+ public:
+  TempDir() : path_(std::filesystem::temp_directory_path() / ("tbst-" + std::to_string(::getpid()))) {
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
+  std::size_t files() const {
+    return static_cast<std::size_t>(std::distance(std::filesystem::directory_iterator(path_), {}));
+  }
+
+ private:
+  std::filesystem::path path_;
+};
+
+void write_file(const std::string& path, std::span<const std::byte> bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::vector<std::byte> read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> bytes(std::istreambuf_iterator<char>(in), {});
+  std::vector<std::byte> out(bytes.size());
+  std::memcpy(out.data(), bytes.data(), bytes.size());
+  return out;
+}
+
+std::string channel_name(const char* test) { return "tbst-" + std::to_string(::getpid()) + "-" + test; }
+
+}  // namespace
+
+TEST(SafetensorsHeader, ParsesTensorsInFileOrderWithMetadata) {
+  auto header = parse("{\"__metadata__\":{\"format\":\"pt\",\"step\":\"12\"},\"b\":" + tensor("BF16", "[3]", 16, 22) +
+                          ",\"a\":" + tensor("F32", "[2,2]", 0, 16) + ",\"e\":" + tensor("I64", "[0,5]", 22, 22) +
+                          ",\"s\":" + tensor("U8", "[]", 22, 23) + "}    ",
+                      23);
+  ASSERT_EQ(header.tensors.size(), 4u);
+  EXPECT_EQ(header.tensors[0].name, "a");
+  EXPECT_EQ(header.tensors[0].dtype, DType::F32);
+  EXPECT_EQ(header.tensors[0].shape, (Shape{2, 2}));
+  EXPECT_EQ(header.tensors[1].name, "b");
+  EXPECT_EQ(header.tensors[1].end, 22u);
+  EXPECT_EQ(header.tensors[3].name, "s");
+  EXPECT_TRUE(header.tensors[3].shape.empty());
+  ASSERT_EQ(header.metadata.size(), 2u);
+  EXPECT_EQ(header.metadata[1], (std::pair<std::string, std::string>{"step", "12"}));
+  EXPECT_EQ(header.data_bytes, 23u);
+}
+
+TEST(SafetensorsHeader, EveryHostileHeaderIsRefusedNamingTheEntry) {
+  struct Case {
+    std::string json;
+    ErrorCode code;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {"[1,2]", ErrorCode::HeaderCorrupt, "an array where the header's object is due"},
+      {"{\"w\":" + tensor("F32", "[2]", 0, 8), ErrorCode::HeaderCorrupt, "does not parse"},
+      {"{\"w\":" + tensor("F32", "[2]", 0, 8) + "} trailing", ErrorCode::HeaderCorrupt, "does not parse"},
+      {"{\"w\":" + tensor("C64", "[1]", 0, 8) + "}", ErrorCode::UnsupportedDtype, "tensor 'w' has dtype 'C64'"},
+      {"{\"w\":" + tensor("F32", "[-2]", 0, 8) + "}", ErrorCode::BadShape, "tensor 'w' has a negative dim"},
+      {"{\"w\":" + tensor("F32", "[3]", 0, 8) + "}", ErrorCode::BadShape, "'w' is F32 [3], 12 bytes"},
+      {"{\"w\":" + tensor("F32", "[4611686018427387904,8]", 0, 8) + "}", ErrorCode::BadShape, "too large"},
+      {"{\"w\":" + tensor("U8", "[2]", 8, 6) + "}", ErrorCode::OutOfBounds, "'w' begins at 8 after its end"},
+      {"{\"w\":" + tensor("U8", "[8]", 60, 68) + "}", ErrorCode::OutOfBounds, "'w' ends at byte 68 of the data, which has 64"},
+      {"{\"a\":" + tensor("U8", "[8]", 0, 8) + ",\"b\":" + tensor("U8", "[4]", 4, 8) + "}", ErrorCode::Overlap,
+       "tensors 'a' [0, 8) and 'b' [4, 8) overlap"},
+      {"{\"a\":" + tensor("U8", "[1]", 0, 1) + ",\"a\":" + tensor("U8", "[1]", 1, 2) + "}", ErrorCode::DuplicateName,
+       "entry 'a' appears twice"},
+      {"{\"\":" + tensor("U8", "[1]", 0, 1) + "}", ErrorCode::BadName, "must be 1 to 1024 bytes"},
+      {"{\"" + std::string(1025, 'n') + "\":" + tensor("U8", "[1]", 0, 1) + "}", ErrorCode::BadName, "not 1025"},
+      {"{\"w\":{\"dtype\":\"U8\",\"shape\":[1]}}", ErrorCode::HeaderCorrupt, "'w' lacks data_offsets"},
+      {"{\"w\":{\"dtype\":\"U8\",\"dtype\":\"U8\"}}", ErrorCode::DuplicateName, "'w' has dtype twice"},
+      {"{\"w\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1],\"extra\":1}}", ErrorCode::HeaderCorrupt,
+       "unknown field 'extra'"},
+      {"{\"w\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1,2]}}", ErrorCode::HeaderCorrupt, "more than 2"},
+      {"{\"w\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0.5,1]}}", ErrorCode::HeaderCorrupt, "0.5"},
+      {"{\"w\":{\"dtype\":\"U8\",\"shape\":[[1]],\"data_offsets\":[0,1]}}", ErrorCode::HeaderCorrupt,
+       "an array where a dim is due in tensor 'w'"},
+      {"{\"w\":{\"dtype\":7,\"shape\":[1],\"data_offsets\":[0,1]}}", ErrorCode::HeaderCorrupt, "a number where a dtype name"},
+      {"{\"w\":{\"dtype\":\"U8\",\"shape\":\"1\",\"data_offsets\":[0,1]}}", ErrorCode::HeaderCorrupt,
+       "a string where a shape array is due in tensor 'w'"},
+      {"{\"__metadata__\":{\"k\":1}}", ErrorCode::HeaderCorrupt, "a number where a metadata string is due in __metadata__"},
+      {"{\"w\":" + std::string(100000, '[') + "}", ErrorCode::HeaderCorrupt, "an array where a tensor's object is due"},
+  };
+  for (const auto& c : cases) {
+    auto [code, message] = refusal(c.json);
+    EXPECT_EQ(code, c.code) << c.json.substr(0, 200) << " -> " << message;
+    EXPECT_NE(message.find(c.says), std::string::npos) << message;
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    EXPECT_EQ(message.rfind("model.safetensors: ", 0), 0u) << message;
+  }
+}
+
+TEST(SafetensorsHeader, TooManyDimsAndBadLengthsAreRefusedBeforeAnyAllocation) {
+  std::string dims = "[1";
+  for (int i = 0; i < 64; ++i) dims += ",1";
+  EXPECT_EQ(refusal("{\"w\":" + tensor("U8", dims + "]", 0, 1) + "}").first, ErrorCode::BadShape);
+
+  std::vector<std::byte> short_file(5);
+  EXPECT_THROW(st::parse_header(short_file, short_file.size()), Error);
+  auto file = file_of("{}", 0);
+  file[7] = std::byte{1};  // a length of 2^56 + 2
+  try {
+    st::parse_header(file, file.size());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::HeaderCorrupt);
+    EXPECT_NE(std::string(e.what()).find("past the limit"), std::string::npos) << e.what();
+  }
+  file = file_of("{}", 0);
+  file[0] = std::byte{40};  // longer than the file
+  EXPECT_THROW(st::parse_header(file, file.size()), Error);
+  EXPECT_NO_THROW(st::parse_header(file_of("{}", 0), 10));
+}
+
+TEST(SafetensorsFile, PublishedFilesArriveAsOneVerifiedUpdateAndSaveBackByteForByte) {
+  TempDir dir;
+  // Two files; the data in odd places (gaps, tensors out of name order, an empty one).
+  std::vector<std::byte> data(1000);
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::byte>(i * 7 + 3);
+  auto first = file_of("{\"__metadata__\":{\"tensorbucket.version\":\"77\"},\"z\":" + tensor("F32", "[10]", 0, 40) +
+                           ",\"a\":" + tensor("U16", "[3,5]", 48, 78) + ",\"e\":" + tensor("F64", "[0]", 78, 78) + "}",
+                       0);
+  first.insert(first.end(), data.begin(), data.begin() + 78);
+  auto second = file_of("{\"big\":" + tensor("U8", "[900]", 0, 900) + ",\"one\":" + tensor("BF16", "[]", 900, 902) + "}", 0);
+  second.insert(second.end(), data.begin() + 100, data.begin() + 1000);  // big
+  second.insert(second.end(), data.begin(), data.begin() + 2);            // one
+  write_file(dir / "first.safetensors", first);
+  write_file(dir / "second.safetensors", second);
+
+  auto channel = channel_name("roundtrip");
+  auto publisher = Publisher::create(channel, {.slots = 4, .min_consumers = 0});
+  auto subscriber = Subscriber::attach(channel, std::chrono::seconds(5), {.whole_updates = true});
+  std::vector<std::string> paths = {dir / "first.safetensors", dir / "second.safetensors"};
+  auto published = st::publish_files(publisher, paths, {.bucket_bytes = 512});
+  EXPECT_EQ(published.version, 77u);  // from the first file's metadata
+  EXPECT_EQ(published.buckets, 3u);   // first; big (900 > 512); one
+  EXPECT_EQ(published.published, 3u);
+
+  auto update = subscriber.next_update(std::chrono::seconds(5));
+  ASSERT_TRUE(update);
+  ASSERT_EQ(update->buckets().size(), 3u);
+  EXPECT_EQ(update->version(), 77u);
+  std::vector<const BucketView*> views;
+  for (const auto& bucket : update->buckets()) views.push_back(&bucket.view());
+  auto z = views[0]->find("z");
+  ASSERT_TRUE(z);
+  EXPECT_EQ(std::memcmp(z->bytes.data(), data.data(), 40), 0);
+  auto a = views[0]->find("a");
+  ASSERT_TRUE(a);
+  EXPECT_EQ(std::memcmp(a->bytes.data(), data.data() + 48, 30), 0);
+  EXPECT_EQ(views[1]->size(), 1u);
+  EXPECT_EQ(std::memcmp(views[1]->find("big")->bytes.data(), second.data() + second.size() - 902, 900), 0);
+
+  st::save(views, dir / "saved.safetensors");
+  auto saved = st::read_header(dir / "saved.safetensors");
+  ASSERT_EQ(saved.tensors.size(), 5u);
+  auto bytes = read_file(dir / "saved.safetensors");
+  std::uint64_t at = 0;
+  for (const auto& tensor : saved.tensors) {  // contiguous, as the safetensors package requires
+    EXPECT_EQ(tensor.begin, at) << tensor.name;
+    at = tensor.end;
+    auto view = views[0]->find(tensor.name) ? views[0]->find(tensor.name)
+                : views[1]->find(tensor.name) ? views[1]->find(tensor.name)
+                                              : views[2]->find(tensor.name);
+    ASSERT_TRUE(view) << tensor.name;
+    EXPECT_EQ(view->dtype, tensor.dtype);
+    EXPECT_TRUE(std::equal(view->shape.begin(), view->shape.end(), tensor.shape.begin(), tensor.shape.end()));
+    EXPECT_EQ(std::memcmp(bytes.data() + saved.data_offset + tensor.begin, view->bytes.data(), view->bytes.size()), 0);
+  }
+  EXPECT_EQ(at, saved.data_bytes);
+  EXPECT_EQ(saved.data_offset % 8, 0u);
+  EXPECT_EQ(saved.metadata, (std::vector<std::pair<std::string, std::string>>{{"tensorbucket.version", "77"},
+                                                                              {"tensorbucket.bucket_count", "3"}}));
+  EXPECT_EQ(dir.files(), 3u);  // no temporary left
+}
+
+TEST(SafetensorsFile, ABadFileAmongSeveralPublishesNothing) {
+  TempDir dir;
+  write_file(dir / "good.safetensors", file_of("{\"w\":" + tensor("U8", "[4]", 0, 4) + "}", 4));
+  write_file(dir / "bad.safetensors", file_of("{\"w\":" + tensor("U8", "[4]", 0, 8) + "}", 8));
+  write_file(dir / "dup.safetensors", file_of("{\"w\":" + tensor("U8", "[4]", 0, 4) + "}", 4));
+  auto channel = channel_name("bad");
+  auto publisher = Publisher::create(channel, {.slots = 2, .min_consumers = 0});
+  std::vector<std::string> bad = {dir / "good.safetensors", dir / "bad.safetensors"};
+  try {
+    st::publish_files(publisher, bad);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::BadShape);
+    EXPECT_NE(std::string(e.what()).find("bad.safetensors: tensor 'w'"), std::string::npos) << e.what();
+  }
+  std::vector<std::string> twice = {dir / "good.safetensors", dir / "dup.safetensors"};
+  try {
+    st::publish_files(publisher, twice);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::DuplicateName);
+    EXPECT_NE(std::string(e.what()).find("dup.safetensors: tensor 'w' is in an earlier file too"), std::string::npos);
+  }
+  std::vector<std::string> missing = {dir / "absent.safetensors"};
+  EXPECT_THROW(st::publish_files(publisher, missing), Error);
+  EXPECT_EQ(publisher.published(), 0u);
+}
+
+TEST(SafetensorsFile, ATruncatedFileIsRefusedWholeAndASaveThatFailsLeavesNothing) {
+  TempDir dir;
+  auto file = file_of("{\"w\":" + tensor("U8", "[4096]", 0, 4096) + "}", 4096);
+  write_file(dir / "w.safetensors", file);
+  auto header = st::read_header(dir / "w.safetensors");
+  EXPECT_EQ(header.tensors.size(), 1u);
+  // Truncated after a look: publish_files reads the header again and refuses it whole.
+  std::filesystem::resize_file(dir / "w.safetensors", file.size() - 100);
+  auto channel = channel_name("shrank");
+  auto publisher = Publisher::create(channel, {.slots = 2, .min_consumers = 0});
+  std::vector<std::string> paths = {dir / "w.safetensors"};
+  try {
+    st::publish_files(publisher, paths);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::OutOfBounds) << e.what();
+  }
+  EXPECT_EQ(publisher.published(), 0u);
+
+  BucketBuilder builder;
+  std::vector<std::byte> bytes(16);
+  builder.add("ok", DType::U8, {16}, bytes.data());
+  builder.add(std::string("\xff\xfe", 2), DType::U8, {16}, bytes.data());  // not UTF-8
+  auto packed = builder.pack();
+  auto view = BucketView::open(packed.frame, packed.payload.span());
+  const BucketView* one[] = {&view};
+  try {
+    st::save(one, dir / "out.safetensors");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::BadName);
+  }
+  EXPECT_THROW(st::save(one, dir / "no-such-folder/out.safetensors"), Error);
+  EXPECT_EQ(dir.files(), 1u);  // only w.safetensors
+}

@@ -1,0 +1,152 @@
+// `tbucket publish-file` and `tbucket save`: a channel seeded from safetensors files, and what
+// a channel carries written to them (tensorbucket/safetensors.hpp).
+#include <chrono>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "commands.hpp"
+#include "exit_codes.hpp"
+#include "tensorbucket/tensorbucket.hpp"
+
+namespace tensorbucket::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr std::string_view kSuffix = ".safetensors";
+
+// OUT for the one file of a single update; otherwise OUT's stem with the version (and the
+// bucket's index) before the suffix: weights-v12.safetensors, weights-v12-b3.safetensors.
+std::string file_name(const SaveOptions& options, std::uint64_t version, std::optional<std::uint32_t> bucket) {
+  if (options.updates == 1 && !options.per_bucket) return options.out;
+  std::string_view stem = options.out;
+  if (stem.ends_with(kSuffix)) stem.remove_suffix(kSuffix.size());
+  auto name = std::string(stem) + "-v" + std::to_string(version);
+  if (bucket) name += "-b" + std::to_string(*bucket);
+  return name + std::string(kSuffix);
+}
+
+double mib(std::uint64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
+
+int stopped() {
+  std::fprintf(stderr, "tbucket: stopped by signal %d\n", stop_signal());
+  return 128 + stop_signal();
+}
+
+}  // namespace
+
+int run_publish_file(const PublishFileOptions& options) {
+  install_stop_handlers();
+  auto publisher = Publisher::create(options.channel, {.slots = options.slots,
+                                                       .max_consumers = options.max_consumers,
+                                                       .min_consumers = options.consumers,
+                                                       .payload_checksum = options.checksum,
+                                                       .location = PayloadLocation::parse(options.device),
+                                                       .policy = parse_overflow_policy(options.policy),
+                                                       .update_buckets = options.update_buckets});
+  auto start = Clock::now();
+  auto published = safetensors::publish_files(
+      publisher, options.files,
+      {.version = options.version,
+       .bucket_bytes = options.bucket_bytes,
+       .timeout = std::chrono::milliseconds(std::min<std::uint64_t>(options.timeout_ms, INT64_MAX / 1000000)),
+       .interrupted = [] { return stop_signal() != 0; }});
+  if (stop_signal() != 0) return stopped();
+  auto seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (published.published < published.buckets) {
+    std::fprintf(stderr, "tbucket: Timeout: no slot of channel '%s' came free within %llu ms (bucket %u of %u); "
+                 "waiting for %s; the update stays unfinished\n", options.channel.c_str(),
+                 static_cast<unsigned long long>(options.timeout_ms), published.published, published.buckets,
+                 publisher.waiting_for().c_str());
+    return kTimeout;
+  }
+  std::uint64_t bytes = 0;
+  for (const auto& file : options.files) bytes += safetensors::read_header(file).data_bytes;
+  std::printf("published %u buckets of version %llu from %zu files (%.1f MiB of tensors) on channel '%s' in %.3f s: "
+              "%.0f MiB/s\n", published.buckets, static_cast<unsigned long long>(published.version),
+              options.files.size(), mib(bytes), options.channel.c_str(), seconds, mib(bytes) / seconds);
+  std::fflush(stdout);
+  bool drained = with_deadline(options.timeout_ms, [&](auto slice) { return publisher.drain(slice); });
+  if (stop_signal() != 0) return stopped();
+  if (!drained) {
+    std::fprintf(stderr, "tbucket: Timeout: consumers did not release every bucket of '%s' within %llu ms; "
+                 "waiting for %s\n", options.channel.c_str(), static_cast<unsigned long long>(options.timeout_ms),
+                 publisher.waiting_for().c_str());
+    return kTimeout;
+  }
+  return kOk;
+}
+
+int run_save(const SaveOptions& options) {
+  install_stop_handlers();
+  std::optional<Subscriber> subscriber;
+  with_deadline(options.timeout_ms, [&](auto slice) {
+    try {
+      // Following the channel's producers: publish-file publishes one update and leaves.
+      subscriber.emplace(Subscriber::attach(options.channel, slice, {.whole_updates = true, .follow_restarts = true}));
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::ChannelMissing) throw;  // not there yet
+    }
+    return subscriber.has_value();
+  });
+  if (!subscriber && stop_signal() == 0) {
+    throw Error(ErrorCode::ChannelMissing, "channel '" + options.channel + "' had no live producer within " +
+                                               std::to_string(options.timeout_ms) + " ms");
+  }
+  for (std::uint64_t saved = 0; saved < options.updates && stop_signal() == 0; ++saved) {
+    std::optional<ReceivedUpdate> update;
+    with_deadline(options.timeout_ms, [&](auto slice) {
+      try {
+        update = subscriber->next_update(slice);
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::ProducerGone) throw;  // the next producer's updates come next
+      }
+      return update.has_value();
+    });
+    if (stop_signal() != 0) break;
+    if (!update) {
+      std::fprintf(stderr, "tbucket: Timeout: no whole update arrived on '%s' within %llu ms\n",
+                   options.channel.c_str(), static_cast<unsigned long long>(options.timeout_ms));
+      return kTimeout;
+    }
+    // Views of the payloads on the host: a device bucket's copied back first.
+    std::vector<std::vector<std::byte>> copies;
+    std::vector<BucketView> views;
+    for (const auto& bucket : update->buckets()) {
+      if (bucket.view().location().on_host()) {
+        views.push_back(bucket.view());
+      } else {
+        copies.push_back(bucket.copy_to_host());
+        views.push_back(BucketView::open(bucket.view().frame(), copies.back()));
+      }
+    }
+    auto write = [&](std::span<const BucketView* const> buckets, const std::string& path) {
+      safetensors::save(buckets, path);
+      std::uint64_t bytes = 0;
+      std::size_t tensors = 0;
+      for (const auto* bucket : buckets) {
+        tensors += bucket->size();
+        for (std::size_t i = 0; i < bucket->size(); ++i) bytes += (*bucket)[i].bytes.size();
+      }
+      std::printf("saved version %llu (%zu tensors, %.1f MiB) to %s\n",
+                  static_cast<unsigned long long>(update->version()), tensors, mib(bytes), path.c_str());
+      std::fflush(stdout);
+    };
+    if (options.per_bucket) {
+      for (const auto& view : views) {
+        const BucketView* one[] = {&view};
+        write(one, file_name(options, update->version(), view.bucket_index()));
+      }
+    } else {
+      std::vector<const BucketView*> all;
+      for (const auto& view : views) all.push_back(&view);
+      write(all, file_name(options, update->version(), std::nullopt));
+    }
+  }
+  if (stop_signal() != 0) return stopped();
+  return kOk;
+}
+
+}  // namespace tensorbucket::cli
