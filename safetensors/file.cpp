@@ -32,8 +32,14 @@ using text::Quoted;
 // A file descriptor, closed when done.
 class File {
  public:
-  File(const std::string& path, int flags, mode_t mode = 0) : path_(path), fd_(::open(path.c_str(), flags | O_CLOEXEC, mode)) {
-    if (fd_ < 0) fail_errno((flags & O_ACCMODE) == O_RDONLY ? "cannot open" : "cannot create", path);
+  // For reading: O_NONBLOCK, so that a FIFO named by mistake fails at size() instead of
+  // waiting for a writer (a regular file's reads ignore it).
+  explicit File(const std::string& path) : path_(path), fd_(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC)) {
+    if (fd_ < 0) fail_errno("cannot open", path);
+  }
+  // A new file beside `path`, named from `pattern` (mkostemp's), for writing.
+  File(const std::string& path, std::string pattern) : path_(std::move(pattern)), fd_(::mkostemp(path_.data(), O_CLOEXEC)) {
+    if (fd_ < 0) fail_errno("cannot create a file beside", path);
   }
   File(const File&) = delete;
   File& operator=(const File&) = delete;
@@ -41,12 +47,25 @@ class File {
     if (fd_ >= 0) ::close(fd_);
   }
 
-  std::uint64_t size() const {
-    struct stat info {};
-    if (::fstat(fd_, &info) != 0) fail_errno("cannot stat", path_);
-    if (!S_ISREG(info.st_mode)) fail(ErrorCode::SystemError, path_, " is not a regular file");
-    return static_cast<std::uint64_t>(info.st_size);
+  std::uint64_t size() const { return static_cast<std::uint64_t>(status().st_size); }
+
+  // What identifies this version of the file: a file rewritten in place since (a trainer
+  // saving its next checkpoint over it) differs in size, mtime or ctime.
+  struct Version {
+    std::uint64_t size;
+    timespec modified, changed;
+    bool operator==(const Version& other) const {
+      auto same = [](timespec a, timespec b) { return a.tv_sec == b.tv_sec && a.tv_nsec == b.tv_nsec; };
+      return size == other.size && same(modified, other.modified) && same(changed, other.changed);
+    }
+  };
+  Version version() const {
+    auto info = status();
+    return {static_cast<std::uint64_t>(info.st_size), info.st_mtim, info.st_ctim};
   }
+
+  const std::string& path() const noexcept { return path_; }
+  int descriptor() const noexcept { return fd_; }
 
   // Exactly `into.size()` bytes from `offset`; SystemError at an early end (the file shrank).
   void read_at(std::span<std::byte> into, std::uint64_t offset) const {
@@ -67,6 +86,13 @@ class File {
       if (put < 0) fail_errno("cannot write", path_);
       bytes = bytes.subspan(static_cast<std::size_t>(put));
     }
+  }
+
+  struct stat status() const {
+    struct stat info {};
+    if (::fstat(fd_, &info) != 0) fail_errno("cannot stat", path_);
+    if (!S_ISREG(info.st_mode)) fail(ErrorCode::SystemError, path_, " is not a regular file");
+    return info;
   }
 
   void sync() const {
@@ -119,12 +145,17 @@ void split(std::size_t file, const FileHeader& header, std::uint64_t budget, std
   parts.push_back(part);  // a file with no tensors is one empty bucket
 }
 
-std::optional<std::uint64_t> version_in(const FileHeader& header) {
+// The "tensorbucket.version" save() wrote; HeaderCorrupt for one that is not a whole number.
+std::optional<std::uint64_t> version_in(const FileHeader& header, const std::string& path) {
   for (const auto& [key, value] : header.metadata) {
     if (key != "tensorbucket.version") continue;
     std::uint64_t version = 0;
     auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), version);
-    if (error == std::errc() && end == value.data() + value.size()) return version;
+    if (error != std::errc() || end != value.data() + value.size() || value.empty()) {
+      fail(ErrorCode::HeaderCorrupt, path, ": __metadata__ tensorbucket.version is ", Quoted{value.substr(0, 64)},
+           ", not a whole number below 2^64");
+    }
+    return version;
   }
   return std::nullopt;
 }
@@ -156,7 +187,7 @@ std::optional<Reservation> reserve(Publisher& publisher, const BucketBuilder& la
 }  // namespace
 
 FileHeader read_header(const std::string& path) {
-  File file(path, O_RDONLY);
+  File file(path);
   return read_header(file, path);
 }
 
@@ -164,15 +195,17 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
   if (paths.empty()) throw Error(ErrorCode::InvalidArgument, "publish_files needs at least one file");
   // Every header first: a bad file publishes nothing.
   std::vector<std::unique_ptr<File>> files;
+  std::vector<File::Version> versions;  // as each header was read
   std::vector<FileHeader> headers;
   std::vector<Part> parts;
   for (std::size_t i = 0; i < paths.size(); ++i) {
-    files.push_back(std::make_unique<File>(paths[i], O_RDONLY));
+    files.push_back(std::make_unique<File>(paths[i]));
+    versions.push_back(files.back()->version());
     headers.push_back(read_header(*files.back(), paths[i]));
     split(i, headers.back(), options.bucket_bytes, parts);
   }
   if (parts.size() > UINT32_MAX) throw Error(ErrorCode::InvalidArgument, "more buckets than an update can count");
-  FilePublish result{.version = options.version.value_or(version_in(headers.front()).value_or(0)),
+  FilePublish result{.version = options.version ? *options.version : version_in(headers.front(), paths.front()).value_or(0),
                      .buckets = static_cast<std::uint32_t>(parts.size())};
   // Every bucket's layout, checked by the builder (names it refuses, names in two files)
   // before the first is published.
@@ -191,6 +224,8 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
     }
   }
 
+  auto interrupted = [&] { return options.interrupted && options.interrupted(); };
+  constexpr std::uint64_t kReadPiece = 64 << 20;  // between two looks at `interrupted`
   std::vector<std::byte> staging;  // a device channel's: one tensor at a time
   bool on_host = publisher.location().on_host();
   for (std::uint32_t b = 0; b < result.buckets; ++b) {
@@ -203,17 +238,28 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
     for (auto i = part.first; i < part.last; ++i) {
       const auto& tensor = header.tensors[i];
       auto span = spans[i - part.first];
-      if (span.empty()) continue;
-      if (on_host) {
-        file.read_at(span, header.data_offset + tensor.begin);  // straight into the slot
-      } else {
+      auto into = span;
+      if (!on_host) {
         staging.resize(span.size());
-        file.read_at(staging, header.data_offset + tensor.begin);
-        reservation->write(i - part.first, staging.data());  // from pageable memory: taken on return
+        into = staging;
       }
+      // Straight into the slot (or the staging buffer), in pieces; an interrupted bucket is
+      // abandoned with its reservation, never committed.
+      for (std::uint64_t at = 0; at < into.size(); at += kReadPiece) {
+        auto piece = into.subspan(at, std::min<std::uint64_t>(kReadPiece, into.size() - at));
+        file.read_at(piece, header.data_offset + tensor.begin + at);
+        if (interrupted()) return result;
+      }
+      if (!on_host && !span.empty()) reservation->write(i - part.first, staging.data());  // pageable: taken on return
+    }
+    if (!(file.version() == versions[part.file])) {
+      fail(ErrorCode::SystemError, file.path(), " changed while it was read (size or modification time); "
+                                                "nothing more of this update was published");
     }
     reservation->commit();
     ++result.published;
+    for (auto i = part.first; i < part.last; ++i) result.bytes += header.tensors[i].end - header.tensors[i].begin;
+    if (b + 1 < result.buckets && interrupted()) return result;
   }
   return result;
 }
@@ -244,6 +290,9 @@ void save(std::span<const BucketView* const> buckets, const std::string& path) {
   for (const auto* bucket : buckets) {
     for (std::size_t i = 0; i < bucket->size(); ++i) {
       auto tensor = (*bucket)[i];
+      if (tensor.name == "__metadata__") {
+        fail(ErrorCode::BadName, "tensor '__metadata__' cannot be saved: safetensors reserves the name");
+      }
       if (!names.insert(tensor.name).second) {
         fail(ErrorCode::DuplicateName, "tensor ", Quoted{tensor.name}, " is in two of the buckets saved");
       }
@@ -255,22 +304,26 @@ void save(std::span<const BucketView* const> buckets, const std::string& path) {
   }
   json += "}";
   json.append((8 - json.size() % 8) % 8, ' ');
+  if (json.size() > kMaxHeaderBytes) {
+    fail(ErrorCode::InvalidArgument, "the header would be ", json.size(), " bytes, past the ", kMaxHeaderBytes,
+         " that safetensors readers accept: save fewer tensors per file (tbucket save --per-bucket)");
+  }
   std::byte length[8];
   for (int i = 0; i < 8; ++i) length[i] = static_cast<std::byte>(json.size() >> (8 * i));
 
-  // Beside the target, then renamed over it: a reader never sees half a file.
-  auto temporary = path + ".tmp-" + std::to_string(::getpid());
-  File file(temporary, O_WRONLY | O_CREAT | O_EXCL, 0644);
+  // Beside the target, under a new name, then renamed over it: a reader never sees half a file.
+  File file(path, path + ".tmp-XXXXXX");
   try {
     file.write_all(length);
     file.write_all(std::as_bytes(std::span(json)));
     for (const auto* bucket : buckets) {
       for (std::size_t i = 0; i < bucket->size(); ++i) file.write_all((*bucket)[i].bytes);
     }
+    if (::fchmod(file.descriptor(), 0644) != 0) fail_errno("cannot set the mode of", file.path());
     file.sync();
-    if (::rename(temporary.c_str(), path.c_str()) != 0) fail_errno("cannot rename " + temporary + " to", path);
+    if (::rename(file.path().c_str(), path.c_str()) != 0) fail_errno("cannot rename " + file.path() + " to", path);
   } catch (...) {
-    ::unlink(temporary.c_str());
+    ::unlink(file.path().c_str());
     throw;
   }
 }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <sstream>
 #include <string>
 #include <unordered_set>
 
@@ -16,8 +17,20 @@ namespace tensorbucket::safetensors {
 namespace {
 
 using text::fail;
-using text::Quoted;
 using Json = nlohmann::json;
+
+// A name or value from the file, quoted and cut to 64 bytes: a hostile header's 100 MB key
+// must not become a 100 MB error message.
+text::Quoted shown(std::string_view name) { return text::Quoted{name.substr(0, 64)}; }
+std::string to_text(text::Quoted name) {
+  std::ostringstream out;
+  out << name;
+  return out.str();
+}
+std::string cut(std::string text) {
+  if (text.size() > 200) text.replace(200, std::string::npos, "...");
+  return text;
+}
 
 // What the next event may be.
 enum class Expect {
@@ -58,17 +71,17 @@ class HeaderReader final : public nlohmann::json_sax<Json> {
   bool key(string_t& key) override {
     switch (expect_) {
       case Expect::Key:
-        if (!keys_.insert(key).second) fail(ErrorCode::DuplicateName, what_, ": entry ", Quoted{key}, " appears twice");
+        if (key.empty() || key.size() > kMaxNameBytes) {
+          fail(ErrorCode::BadName, what_, ": tensor name ", shown(key), " must be 1 to ", kMaxNameBytes, " bytes, not ",
+               key.size());
+        }
+        if (!keys_.insert(key).second) fail(ErrorCode::DuplicateName, what_, ": entry ", shown(key), " appears twice");
         if (key == "__metadata__") {
           expect_ = Expect::Metadata;
           return true;
         }
         if (header_.tensors.size() >= kMaxEntries) {
           fail(ErrorCode::HeaderCorrupt, what_, ": more than ", kMaxEntries, " tensors");
-        }
-        if (key.empty() || key.size() > kMaxNameBytes) {
-          fail(ErrorCode::BadName, what_, ": tensor name ", Quoted{key}, " must be 1 to ", kMaxNameBytes, " bytes, not ",
-               key.size());
         }
         key_ = std::move(key);
         expect_ = Expect::Tensor;
@@ -84,13 +97,16 @@ class HeaderReader final : public nlohmann::json_sax<Json> {
           once(has_offsets_, key);
           expect_ = Expect::Offsets;
         } else {
-          fail(ErrorCode::HeaderCorrupt, what_, ": tensor ", Quoted{tensor_.name}, " has an unknown field ", Quoted{key},
+          fail(ErrorCode::HeaderCorrupt, what_, ": tensor ", shown(tensor_.name), " has an unknown field ", shown(key),
                " (a tensor has dtype, shape and data_offsets)");
         }
         return true;
       case Expect::MetadataKey:
         if (header_.metadata.size() >= kMaxEntries) {
           fail(ErrorCode::HeaderCorrupt, what_, ": more than ", kMaxEntries, " metadata entries");
+        }
+        if (!metadata_keys_.insert(key).second) {
+          fail(ErrorCode::DuplicateName, what_, ": __metadata__ has ", shown(key), " twice");
         }
         header_.metadata.emplace_back(std::move(key), std::string());
         expect_ = Expect::MetadataValue;
@@ -103,7 +119,7 @@ class HeaderReader final : public nlohmann::json_sax<Json> {
     if (expect_ == Expect::Dtype) {
       auto dtype = dtype_from_name(value);
       if (!dtype) {
-        fail(ErrorCode::UnsupportedDtype, what_, ": tensor ", Quoted{tensor_.name}, " has dtype ", Quoted{value},
+        fail(ErrorCode::UnsupportedDtype, what_, ": tensor ", shown(tensor_.name), " has dtype ", shown(value),
              ", which tensorbucket does not carry (it carries BOOL U8 I8 I16 U16 I32 U32 I64 U64 F16 BF16 F32 F64 "
              "F8_E4M3 F8_E5M2)");
       }
@@ -135,16 +151,16 @@ class HeaderReader final : public nlohmann::json_sax<Json> {
   bool number_unsigned(number_unsigned_t value) override {
     if (expect_ == Expect::Dim) {
       if (dims_.size() >= kMaxRank) {
-        fail(ErrorCode::BadShape, what_, ": tensor ", Quoted{tensor_.name}, " has more than ", kMaxRank, " dims");
+        fail(ErrorCode::BadShape, what_, ": tensor ", shown(tensor_.name), " has more than ", kMaxRank, " dims");
       }
       if (value > static_cast<std::uint64_t>(INT64_MAX)) {
-        fail(ErrorCode::BadShape, what_, ": tensor ", Quoted{tensor_.name}, " has a dim of ", value);
+        fail(ErrorCode::BadShape, what_, ": tensor ", shown(tensor_.name), " has a dim of ", value);
       }
       dims_.push_back(static_cast<std::int64_t>(value));
       return true;
     }
     if (expect_ == Expect::Offset) {
-      if (offsets_ == 2) fail(ErrorCode::HeaderCorrupt, what_, ": tensor ", Quoted{tensor_.name}, " has more than 2 data_offsets");
+      if (offsets_ == 2) fail(ErrorCode::HeaderCorrupt, what_, ": tensor ", shown(tensor_.name), " has more than 2 data_offsets");
       (offsets_++ == 0 ? tensor_.begin : tensor_.end) = value;
       return true;
     }
@@ -154,10 +170,10 @@ class HeaderReader final : public nlohmann::json_sax<Json> {
   bool number_integer(number_integer_t value) override {
     if (value >= 0) return number_unsigned(static_cast<number_unsigned_t>(value));
     if (expect_ == Expect::Dim) {
-      fail(ErrorCode::BadShape, what_, ": tensor ", Quoted{tensor_.name}, " has a negative dim, ", value);
+      fail(ErrorCode::BadShape, what_, ": tensor ", shown(tensor_.name), " has a negative dim, ", value);
     }
     if (expect_ == Expect::Offset) {
-      fail(ErrorCode::OutOfBounds, what_, ": tensor ", Quoted{tensor_.name}, " has a negative data offset, ", value);
+      fail(ErrorCode::OutOfBounds, what_, ": tensor ", shown(tensor_.name), " has a negative data offset, ", value);
     }
     unexpected("a number");
   }
@@ -167,7 +183,7 @@ class HeaderReader final : public nlohmann::json_sax<Json> {
       tensor_.shape.assign(dims_);
     } else if (expect_ == Expect::Offset) {
       if (offsets_ != 2) {
-        fail(ErrorCode::HeaderCorrupt, what_, ": tensor ", Quoted{tensor_.name}, " has ", offsets_,
+        fail(ErrorCode::HeaderCorrupt, what_, ": tensor ", shown(tensor_.name), " has ", offsets_,
              " data_offsets, not 2 (begin, end)");
       }
     } else {
@@ -193,7 +209,7 @@ class HeaderReader final : public nlohmann::json_sax<Json> {
   bool boolean(bool) override { unexpected("a boolean"); }
   bool number_float(number_float_t, const string_t& text) override {
     if (expect_ == Expect::Dim || expect_ == Expect::Offset) {
-      fail(ErrorCode::HeaderCorrupt, what_, ": tensor ", Quoted{tensor_.name}, " has ", text,
+      fail(ErrorCode::HeaderCorrupt, what_, ": tensor ", shown(tensor_.name), " has ", cut(text),
            " where a whole number below 2^64 is due");
     }
     unexpected("a number");
@@ -204,7 +220,8 @@ class HeaderReader final : public nlohmann::json_sax<Json> {
     // nlohmann's message: "[json.exception.parse_error.101] parse error at line 1, column 5: ..."
     std::string why = error.what();
     if (auto at = why.find("] "); at != std::string::npos) why.erase(0, at + 2);
-    fail(ErrorCode::HeaderCorrupt, what_, ": the JSON header does not parse at byte ", position, ": ", why);
+    fail(ErrorCode::HeaderCorrupt, what_, ": the JSON header does not parse at its byte ", position, ": ",
+         text::Quoted{cut(why)});
   }
 
   bool done() const noexcept { return expect_ == Expect::Done; }
@@ -217,36 +234,36 @@ class HeaderReader final : public nlohmann::json_sax<Json> {
         "a metadata key", "a metadata string", "the header's end"};
     std::string where = expect_ == Expect::Top || expect_ == Expect::Key || expect_ == Expect::Done ? std::string()
                         : expect_ >= Expect::Metadata ? std::string(" in __metadata__")
-                                                      : " in tensor '" + (expect_ == Expect::Tensor ? key_ : tensor_.name) + "'";
+                                                      : " in tensor " + to_text(shown(expect_ == Expect::Tensor ? key_ : tensor_.name));
     fail(ErrorCode::HeaderCorrupt, what_, ": ", found, " where ", kDue[static_cast<int>(expect_)], " is due", where);
   }
 
   void once(bool& seen, const std::string& field) {
-    if (seen) fail(ErrorCode::DuplicateName, what_, ": tensor ", Quoted{tensor_.name}, " has ", field, " twice");
+    if (seen) fail(ErrorCode::DuplicateName, what_, ": tensor ", shown(tensor_.name), " has ", field, " twice");
     seen = true;
   }
 
   void finish_tensor() {
     const auto& name = tensor_.name;
     if (!has_dtype_ || !has_shape_ || !has_offsets_) {
-      fail(ErrorCode::HeaderCorrupt, what_, ": tensor ", Quoted{name}, " lacks ",
+      fail(ErrorCode::HeaderCorrupt, what_, ": tensor ", shown(name), " lacks ",
            !has_dtype_ ? "dtype" : !has_shape_ ? "shape" : "data_offsets");
     }
     if (tensor_.begin > tensor_.end) {
-      fail(ErrorCode::OutOfBounds, what_, ": tensor ", Quoted{name}, " begins at ", tensor_.begin, " after its end, ",
+      fail(ErrorCode::OutOfBounds, what_, ": tensor ", shown(name), " begins at ", tensor_.begin, " after its end, ",
            tensor_.end);
     }
     if (tensor_.end > data_bytes_) {
-      fail(ErrorCode::OutOfBounds, what_, ": tensor ", Quoted{name}, " ends at byte ", tensor_.end, " of the data, which has ",
+      fail(ErrorCode::OutOfBounds, what_, ": tensor ", shown(name), " ends at byte ", tensor_.end, " of the data, which has ",
            data_bytes_);
     }
     auto bytes = checked_byte_length(tensor_.dtype, tensor_.shape);
     if (!bytes) {
-      fail(ErrorCode::BadShape, what_, ": tensor ", Quoted{name}, " of shape ", text::Dims{tensor_.shape},
+      fail(ErrorCode::BadShape, what_, ": tensor ", shown(name), " of shape ", text::Dims{tensor_.shape},
            " is too large");
     }
     if (*bytes != tensor_.end - tensor_.begin) {
-      fail(ErrorCode::BadShape, what_, ": tensor ", Quoted{name}, " is ", tensor_.dtype, " ", text::Dims{tensor_.shape},
+      fail(ErrorCode::BadShape, what_, ": tensor ", shown(name), " is ", tensor_.dtype, " ", text::Dims{tensor_.shape},
            ", ", *bytes, " bytes, but its data_offsets [", tensor_.begin, ", ", tensor_.end, "] hold ",
            tensor_.end - tensor_.begin);
     }
@@ -258,6 +275,7 @@ class HeaderReader final : public nlohmann::json_sax<Json> {
   FileHeader& header_;
   Expect expect_ = Expect::Top;
   std::unordered_set<std::string> keys_;
+  std::unordered_set<std::string> metadata_keys_;
   std::string key_;  // the tensor whose object comes next
   FileTensor tensor_;
   std::vector<std::int64_t> dims_;
@@ -295,8 +313,8 @@ FileHeader parse_header(std::span<const std::byte> head, std::uint64_t file_byte
   for (const auto& tensor : header.tensors) {
     if (tensor.begin == tensor.end) continue;
     if (last != nullptr && tensor.begin < last->end) {
-      fail(ErrorCode::Overlap, what, ": tensors ", Quoted{last->name}, " [", last->begin, ", ", last->end, ") and ",
-           Quoted{tensor.name}, " [", tensor.begin, ", ", tensor.end, ") overlap");
+      fail(ErrorCode::Overlap, what, ": tensors ", shown(last->name), " [", last->begin, ", ", last->end, ") and ",
+           shown(tensor.name), " [", tensor.begin, ", ", tensor.end, ") overlap");
     }
     if (last == nullptr || tensor.end > last->end) last = &tensor;
   }

@@ -130,12 +130,19 @@ TEST(SafetensorsHeader, EveryHostileHeaderIsRefusedNamingTheEntry) {
        "a string where a shape array is due in tensor 'w'"},
       {"{\"__metadata__\":{\"k\":1}}", ErrorCode::HeaderCorrupt, "a number where a metadata string is due in __metadata__"},
       {"{\"w\":" + std::string(100000, '[') + "}", ErrorCode::HeaderCorrupt, "an array where a tensor's object is due"},
+      {"{\"a\\nb\":5}", ErrorCode::HeaderCorrupt, "a number where a tensor's object is due in tensor 'a\\x0ab'"},
+      {"{\"__metadata__\":{\"k\":\"1\",\"k\":\"2\"}}", ErrorCode::DuplicateName, "__metadata__ has 'k' twice"},
+      {"{\"" + std::string(5 << 20, 'x') + "\":1}", ErrorCode::BadName, "must be 1 to 1024 bytes, not 5242880"},
+      {"{\"w\":{\"dtype\":\"" + std::string(5 << 20, 'Q') + "\"}}", ErrorCode::UnsupportedDtype, "has dtype 'QQQ"},
+      {"{\"w\":{\"dtype\":\"U8\",\"shape\":[1" + std::string(5 << 20, '0') + ".5]}}", ErrorCode::HeaderCorrupt,
+       "number overflow parsing '10000"},
   };
   for (const auto& c : cases) {
     auto [code, message] = refusal(c.json);
     EXPECT_EQ(code, c.code) << c.json.substr(0, 200) << " -> " << message;
     EXPECT_NE(message.find(c.says), std::string::npos) << message;
     EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    EXPECT_LT(message.size(), 1000u) << "a hostile header's bytes are cut in messages";
     EXPECT_EQ(message.rfind("model.safetensors: ", 0), 0u) << message;
   }
 }
@@ -285,5 +292,50 @@ TEST(SafetensorsFile, ATruncatedFileIsRefusedWholeAndASaveThatFailsLeavesNothing
     EXPECT_EQ(e.code(), ErrorCode::BadName);
   }
   EXPECT_THROW(st::save(one, dir / "no-such-folder/out.safetensors"), Error);
+  BucketBuilder reserved;
+  reserved.add("__metadata__", DType::U8, {16}, bytes.data());
+  auto packed_reserved = reserved.pack();
+  auto reserved_view = BucketView::open(packed_reserved.frame, packed_reserved.payload.span());
+  const BucketView* named_metadata[] = {&reserved_view};
+  try {
+    st::save(named_metadata, dir / "out.safetensors");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::BadName);
+  }
   EXPECT_EQ(dir.files(), 1u);  // only w.safetensors
+}
+
+TEST(SafetensorsFile, AFileRewrittenWhileItIsReadIsNotPublished) {
+  TempDir dir;
+  auto path = dir / "w.safetensors";
+  write_file(path, file_of("{\"a\":" + tensor("U8", "[64]", 0, 64) + ",\"b\":" + tensor("U8", "[64]", 64, 128) + "}", 128));
+  auto channel = channel_name("rewritten");
+  auto publisher = Publisher::create(channel, {.slots = 2, .min_consumers = 0});
+  std::vector<std::string> paths = {path};
+  bool rewritten = false;
+  // Asked after each read: the trainer saves its next checkpoint over the file meanwhile.
+  auto rewrite = [&] {
+    if (!rewritten) {
+      write_file(path, file_of("{\"a\":" + tensor("U8", "[64]", 0, 64) + ",\"b\":" + tensor("U8", "[64]", 64, 128) + "}", 128,
+                               std::byte{7}));
+      std::filesystem::last_write_time(path, std::filesystem::file_time_type::clock::now() + std::chrono::hours(1));
+      rewritten = true;
+    }
+    return false;
+  };
+  try {
+    st::publish_files(publisher, paths, {.interrupted = rewrite});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::SystemError);
+    EXPECT_NE(std::string(e.what()).find("changed while it was read"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(publisher.published(), 0u);
+
+  // Interrupted between two reads: nothing published, no error.
+  auto result = st::publish_files(publisher, paths, {.interrupted = [] { return true; }});
+  EXPECT_EQ(result.buckets, 1u);
+  EXPECT_EQ(result.published, 0u);
+  EXPECT_EQ(publisher.published(), 0u);
 }

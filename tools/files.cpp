@@ -2,6 +2,7 @@
 // a channel carries written to them (tensorbucket/safetensors.hpp).
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -19,11 +20,15 @@ constexpr std::string_view kSuffix = ".safetensors";
 
 // OUT for the one file of a single update; otherwise OUT's stem with the version (and the
 // bucket's index) before the suffix: weights-v12.safetensors, weights-v12-b3.safetensors.
-std::string file_name(const SaveOptions& options, std::uint64_t version, std::optional<std::uint32_t> bucket) {
+// An update whose version came before in this run (publish-file's default is 0) gets "-2",
+// "-3", ... after its version, rather than overwrite the earlier one's file.
+std::string file_name(const SaveOptions& options, std::uint64_t version, std::optional<std::uint32_t> bucket,
+                      std::uint64_t repeat) {
   if (options.updates == 1 && !options.per_bucket) return options.out;
   std::string_view stem = options.out;
   if (stem.ends_with(kSuffix)) stem.remove_suffix(kSuffix.size());
   auto name = std::string(stem) + "-v" + std::to_string(version);
+  if (repeat > 1) name += "-" + std::to_string(repeat);
   if (bucket) name += "-b" + std::to_string(*bucket);
   return name + std::string(kSuffix);
 }
@@ -62,8 +67,7 @@ int run_publish_file(const PublishFileOptions& options) {
                  publisher.waiting_for().c_str());
     return kTimeout;
   }
-  std::uint64_t bytes = 0;
-  for (const auto& file : options.files) bytes += safetensors::read_header(file).data_bytes;
+  auto bytes = published.bytes;
   std::printf("published %u buckets of version %llu from %zu files (%.1f MiB of tensors) on channel '%s' in %.3f s: "
               "%.0f MiB/s\n", published.buckets, static_cast<unsigned long long>(published.version),
               options.files.size(), mib(bytes), options.channel.c_str(), seconds, mib(bytes) / seconds);
@@ -95,6 +99,7 @@ int run_save(const SaveOptions& options) {
     throw Error(ErrorCode::ChannelMissing, "channel '" + options.channel + "' had no live producer within " +
                                                std::to_string(options.timeout_ms) + " ms");
   }
+  std::map<std::uint64_t, std::uint64_t> seen;  // updates saved, by version
   for (std::uint64_t saved = 0; saved < options.updates && stop_signal() == 0; ++saved) {
     std::optional<ReceivedUpdate> update;
     with_deadline(options.timeout_ms, [&](auto slice) {
@@ -134,15 +139,16 @@ int run_save(const SaveOptions& options) {
                   static_cast<unsigned long long>(update->version()), tensors, mib(bytes), path.c_str());
       std::fflush(stdout);
     };
+    auto repeat = ++seen[update->version()];
     if (options.per_bucket) {
       for (const auto& view : views) {
         const BucketView* one[] = {&view};
-        write(one, file_name(options, update->version(), view.bucket_index()));
+        write(one, file_name(options, update->version(), view.bucket_index(), repeat));
       }
     } else {
       std::vector<const BucketView*> all;
       for (const auto& view : views) all.push_back(&view);
-      write(all, file_name(options, update->version(), std::nullopt));
+      write(all, file_name(options, update->version(), std::nullopt, repeat));
     }
   }
   if (stop_signal() != 0) return stopped();

@@ -70,14 +70,17 @@ struct FilePublish {
   std::uint64_t version = 0;
   std::uint32_t buckets = 0;    // the update's
   std::uint32_t published = 0;  // == buckets, or fewer when a wait timed out or was interrupted
+  std::uint64_t bytes = 0;      // the tensors' bytes published
 };
 
 // Publishes the files' tensors as one update, each file read once, tensor by tensor, straight
-// into the slots (a device channel's through a host buffer of one bucket). Every header is
-// read and checked before anything is published. When a wait for a slot times out, the rest
-// is not published and the update stays unfinished (Publisher::waiting_for() says why);
-// consumers of whole updates never see it. SystemError when a file cannot be read, or shrank
-// since its header was read.
+// into the slots (a device channel's through a host buffer of one tensor). Every header is
+// read and checked before anything is published. When a wait for a slot times out, or
+// options.interrupted says so (between two 64 MiB reads), the rest is not published and the
+// update stays unfinished (Publisher::waiting_for() says what a timeout waited for);
+// consumers of whole updates never see it. SystemError when a file cannot be read, or changed
+// since its header was read (size, mtime or ctime; the bucket it was read into is not
+// published, those before it were).
 FilePublish publish_files(Publisher& publisher, std::span<const std::string> paths,
                           const PublishFileOptions& options = {});
 
@@ -85,10 +88,12 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
 // file at `path`, replacing it: its tensors contiguous in the buckets' order, its
 // "__metadata__" the "tensorbucket.version" and "tensorbucket.bucket_count" of the update,
 // and, for a single bucket of a split update, its "tensorbucket.bucket_index". Written to a
-// temporary file beside `path` and renamed, so a failure leaves nothing. The payloads must be
-// readable on the host (copy a device bucket's first: ReceivedBucket::copy_to_host()).
-// BadName for a name that is not UTF-8 (the header is JSON); DuplicateName for a name in two
-// buckets; SystemError when the file cannot be written.
+// temporary file beside `path` and renamed, so a failure leaves nothing (but a process killed
+// while writing leaves its `path`.tmp-XXXXXX). The payloads must be readable on the host
+// (copy a device bucket's first: ReceivedBucket::copy_to_host()). BadName for a name that is
+// not UTF-8 (the header is JSON) or is "__metadata__"; DuplicateName for a name in two
+// buckets; InvalidArgument for a device payload, buckets of different versions, or a header
+// past kMaxHeaderBytes; SystemError when the file cannot be written.
 void save(std::span<const BucketView* const> buckets, const std::string& path);
 
 }  // namespace tensorbucket::safetensors

@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -14,13 +15,19 @@ namespace tensorbucket::python {
 
 namespace py = pybind11;
 
-// Writes without the GIL; a device bucket's bytes are copied to the host first.
+// Writes without the GIL, holding what it writes (another thread may release() the handle
+// meanwhile); a device bucket's bytes are copied to the host first.
 inline void save(const py::handle& received, const std::string& path) {
+  std::shared_ptr<const void> hold;
   std::vector<const ReceivedBucket*> buckets;
   if (py::isinstance<PyBucket>(received)) {
-    buckets.push_back(received.cast<const PyBucket&>().received().get());
+    auto bucket = received.cast<const PyBucket&>().received();
+    buckets.push_back(bucket.get());
+    hold = std::move(bucket);
   } else if (py::isinstance<PyUpdate>(received)) {
-    for (const auto& bucket : received.cast<const PyUpdate&>().received().buckets()) buckets.push_back(&bucket);
+    auto update = received.cast<const PyUpdate&>().held();
+    for (const auto& bucket : update->buckets()) buckets.push_back(&bucket);
+    hold = std::move(update);
   } else {
     throw py::type_error("save() takes a tensorbucket.Bucket or Update");
   }

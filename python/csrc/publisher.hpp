@@ -86,6 +86,10 @@ class PyPublisher {
     auto wait = deadline ? std::chrono::ceil<std::chrono::milliseconds>(std::max(*deadline - Clock::now(), Clock::duration(0)))
                          : std::chrono::milliseconds(std::chrono::hours(24 * 365 * 100));
     bool signalled = false;
+    struct Count {  // published(), however this ends (a file that fails to read after some buckets)
+      PyPublisher& self;
+      ~Count() { self.published_ = self.publisher_.published(); }
+    } count{*this};
     auto result = OutsideGil::run([&] {
       return safetensors::publish_files(publisher_, paths, {.version = version, .bucket_bytes = bucket_bytes, .timeout = wait,
                                                             .interrupted = [&] {
@@ -95,7 +99,6 @@ class PyPublisher {
                                                               return signalled || turn_.closing.load();
                                                             }});
     });
-    published_ = publisher_.published();
     if (signalled) throw py::error_already_set();
     stop_if_closing("; the update stays unfinished");
     if (result.published < result.buckets) {

@@ -145,9 +145,12 @@ class PyUpdate {
   std::size_t bucket_count() const { return buckets_.size(); }
 
   // The received update, for load_into(); InvalidArgument once released.
-  const ReceivedUpdate& received() const {
+  const ReceivedUpdate& received() const { return *held(); }
+  // The same, held: for a reader that runs without the GIL, while another thread may
+  // release() this handle.
+  const std::shared_ptr<const ReceivedUpdate>& held() const {
     if (!update_) throw Error(ErrorCode::InvalidArgument, "update was released");
-    return *update_;
+    return update_;
   }
 
   std::size_t size() const {

@@ -230,3 +230,13 @@ def test_the_cli_publishes_files_and_saves_updates_per_update_and_per_bucket(tmp
     assert refused.returncode == 5, refused.stderr  # a verification failure
     assert "BadShape" in refused.stderr and "tensor 'w'" in refused.stderr
     assert not os.path.exists(f"/dev/shm/tensorbucket.{channel}")
+
+
+def test_an_error_naming_bytes_that_are_not_utf8_is_still_a_tensorbucket_error(tmp_path, channel):
+    bad = write_raw(tmp_path / "latin1.safetensors", b'{"caf\xe9": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}',
+                    b"x")
+    with tensorbucket.Publisher(channel, min_consumers=0) as publisher:
+        with pytest.raises(tensorbucket.ManifestError) as refused:
+            publisher.publish_file(bad)
+        assert refused.value.code == "HeaderCorrupt"
+        assert "does not parse" in str(refused.value)
