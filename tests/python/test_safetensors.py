@@ -6,7 +6,6 @@ import json
 import os
 import struct
 import subprocess
-import threading
 
 import pytest
 import torch
@@ -57,29 +56,21 @@ def every_dtype():
     return tensors
 
 
-def receive_update(channel, updates, timeout=60):
-    """A thread that takes one whole update from `channel` into `updates` (as a dict of clones,
-    with its version and the Update for save())."""
-    def run():
-        with tensorbucket.Subscriber(channel, timeout=timeout) as subscriber:
-            update = subscriber.next_update(timeout=timeout)
-            updates.append(update)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
+def channel_pair(channel, slots):
+    """A Publisher and a Subscriber attached to it, in this thread: with as many slots as the
+    update has buckets, the publish waits for nobody, and next_update() takes it after."""
+    publisher = tensorbucket.Publisher(channel, slots=slots, min_consumers=0)
+    return publisher, tensorbucket.Subscriber(channel, timeout=30)
 
 
 def test_a_file_the_package_wrote_publishes_bit_for_bit_in_every_dtype(tmp_path, channel):
     tensors = every_dtype()
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     expected = load_file(tmp_path / "model.safetensors")
-    with tensorbucket.Publisher(channel, slots=8, min_consumers=1) as publisher:
-        updates = []
-        receiver = receive_update(channel, updates)
+    publisher, subscriber = channel_pair(channel, slots=8)
+    with publisher, subscriber:
         assert 1 < publisher.publish_file(tmp_path / "model.safetensors", version=9, bucket_bytes=4096) <= 8
-        receiver.join(timeout=60)
-        (update,) = updates
+        update = subscriber.next_update(timeout=60)
         assert update.version == 9
         assert sorted(update.keys()) == sorted(expected)
         for name, tensor in expected.items():
@@ -91,13 +82,11 @@ def test_a_saved_bucket_and_update_read_back_bit_for_bit_with_their_metadata(tmp
     tensors = every_dtype()
     names = sorted(tensors)
     halves = [{name: tensors[name] for name in names[:20]}, {name: tensors[name] for name in names[20:]}]
-    with tensorbucket.Publisher(channel, slots=4, min_consumers=1) as publisher:
-        updates = []
-        receiver = receive_update(channel, updates)
+    publisher, subscriber = channel_pair(channel, slots=4)
+    with publisher, subscriber:
         for index, half in enumerate(halves):
             publisher.publish(half, version=31, bucket_index=index, bucket_count=2, timeout=30)
-        receiver.join(timeout=60)
-        (update,) = updates
+        update = subscriber.next_update(timeout=60)
         tensorbucket.save(update, tmp_path / "update.safetensors")
         tensorbucket.save(update.buckets[1], str(tmp_path / "second.safetensors"))
         update.release()
@@ -112,12 +101,10 @@ def test_a_saved_bucket_and_update_read_back_bit_for_bit_with_their_metadata(tmp
                                 "tensorbucket.bucket_index": "1"}
         assert sorted(f.keys()) == names[20:]
     # and back again: the saved file publishes its version by itself
-    with tensorbucket.Publisher(channel + "-again", slots=4, min_consumers=1) as publisher:
-        updates = []
-        receiver = receive_update(channel + "-again", updates)
+    publisher, subscriber = channel_pair(channel + "-again", slots=4)
+    with publisher, subscriber:
         publisher.publish_file([tmp_path / "update.safetensors"])
-        receiver.join(timeout=60)
-        (again,) = updates
+        again = subscriber.next_update(timeout=60)
         assert again.version == 31
         assert all(same_bits(again[name], tensors[name]) for name in names)
         again.release()
@@ -174,12 +161,10 @@ def test_a_1_gib_file_round_trips_through_a_channel(tmp_path, channel):
     tensors = {f"layer.{i}.weight": random_tensor(torch.bfloat16, (8192, 4096), i) for i in range(16)}
     save_file(tensors, tmp_path / "big.safetensors")
     assert (tmp_path / "big.safetensors").stat().st_size > 1 << 30
-    with tensorbucket.Publisher(channel, slots=1, min_consumers=1) as publisher:
-        updates = []
-        receiver = receive_update(channel, updates)
+    publisher, subscriber = channel_pair(channel, slots=1)
+    with publisher, subscriber:
         assert publisher.publish_file(tmp_path / "big.safetensors", version=5, timeout=120) == 1
-        receiver.join(timeout=120)
-        (update,) = updates
+        update = subscriber.next_update(timeout=120)
         for name, tensor in tensors.items():
             assert same_bits(update[name], tensor), name
         tensorbucket.save(update, tmp_path / "again.safetensors")
