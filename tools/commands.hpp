@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "tensorbucket/tensorbucket.hpp"
 #include "workload.hpp"
 
 namespace tensorbucket::cli {
@@ -69,19 +70,35 @@ struct BenchOptions {
   std::uint64_t tensor_bytes = 0;  // not 0: only the copy and in-place figures, 1000 tensors of this size
 };
 
+// The channel a command creates and publishes into, as publish-file and relay take it
+// (produce's counts its buckets per update in its workload).
+struct ChannelOptions {
+  std::uint32_t slots = 2;
+  std::uint32_t consumers = 1;  // min_consumers
+  std::uint32_t max_consumers = 8;
+  std::uint32_t update_buckets = 1;
+  std::string policy = "block";  // or latest
+  bool checksum = false;
+  std::string device = "host";  // host, cuda, cuda:N
+
+  PublisherOptions publisher() const {
+    return {.slots = slots,
+            .max_consumers = max_consumers,
+            .min_consumers = consumers,
+            .payload_checksum = checksum,
+            .location = PayloadLocation::parse(device),
+            .policy = parse_overflow_policy(policy),
+            .update_buckets = update_buckets};
+  }
+};
+
 // `tbucket publish-file` and `tbucket save`: safetensors files in and out (files.cpp).
 struct PublishFileOptions {
   std::string channel;
   std::vector<std::string> files;
   std::uint64_t bucket_bytes = 0;  // 0: one bucket per file
   std::optional<std::uint64_t> version;  // none: the first file's tensorbucket.version, else 0
-  std::uint32_t slots = 2;
-  std::uint32_t consumers = 1;
-  std::uint32_t max_consumers = 8;
-  std::uint32_t update_buckets = 1;
-  std::string policy = "block";
-  bool checksum = false;
-  std::string device = "host";
+  ChannelOptions created;
   std::uint64_t timeout_ms = 10000;
 };
 
@@ -108,13 +125,7 @@ struct RelayOptions {
   std::string channel;  // the served channel's name
   std::string as;       // the local channel's; empty: the same name
   std::string token_file;
-  std::uint32_t slots = 2;
-  std::uint32_t consumers = 1;
-  std::uint32_t max_consumers = 8;
-  std::uint32_t update_buckets = 1;
-  std::string policy = "block";
-  bool checksum = false;
-  std::string device = "host";
+  ChannelOptions local;
   std::uint64_t timeout_ms = 10000;       // a local publish; also the first connect
   std::uint64_t idle_timeout_ms = 5000;   // silence after which the link counts as dead
   std::uint64_t max_bucket_bytes = 64ull << 30;

@@ -44,13 +44,7 @@ int stopped() {
 
 int run_publish_file(const PublishFileOptions& options) {
   install_stop_handlers();
-  auto publisher = Publisher::create(options.channel, {.slots = options.slots,
-                                                       .max_consumers = options.max_consumers,
-                                                       .min_consumers = options.consumers,
-                                                       .payload_checksum = options.checksum,
-                                                       .location = PayloadLocation::parse(options.device),
-                                                       .policy = parse_overflow_policy(options.policy),
-                                                       .update_buckets = options.update_buckets});
+  auto publisher = Publisher::create(options.channel, options.created.publisher());
   auto start = Clock::now();
   auto published = safetensors::publish_files(
       publisher, options.files,

@@ -141,13 +141,7 @@ int run_relay(const RelayOptions& options) {
                               .max_bucket_bytes = options.max_bucket_bytes,
                               .idle_timeout = std::chrono::milliseconds(options.idle_timeout_ms)};
   const auto& local = options.as.empty() ? options.channel : options.as;
-  Republisher republisher(Publisher::create(local, {.slots = options.slots,
-                                                    .max_consumers = options.max_consumers,
-                                                    .min_consumers = options.consumers,
-                                                    .payload_checksum = options.checksum,
-                                                    .location = PayloadLocation::parse(options.device),
-                                                    .policy = parse_overflow_policy(options.policy),
-                                                    .update_buckets = options.update_buckets}));
+  Republisher republisher(Publisher::create(local, options.local.publisher()));
   auto log = [&](const std::string& line) {
     if (!options.quiet) std::fprintf(stderr, "tbucket relay: %s\n", line.c_str());
   };

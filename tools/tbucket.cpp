@@ -37,6 +37,20 @@ CLI::Validator whole_number(std::uint64_t min, std::uint64_t max, std::uint64_t 
                   : std::string());
 }
 
+// The options of a channel the command creates (publish-file, relay), each help line after
+// `whose` ("" or "Local channel: ").
+void add_channel_options(CLI::App& command, tensorbucket::cli::ChannelOptions& channel, const std::string& whose) {
+  command.add_option("--slots", channel.slots, whose + "Slots (buckets in flight)")->check(whole_number(1, 16));
+  command.add_option("--consumers", channel.consumers, whose + "Releases each bucket needs (min_consumers)")
+      ->check(whole_number(0, 64));
+  command.add_option("--max-consumers", channel.max_consumers, whose + "Consumer records")->check(whole_number(1, 64));
+  command.add_option("--update-buckets", channel.update_buckets, whose + "`latest`: the most buckets an update has")
+      ->check(whole_number(1, 16));
+  command.add_option("--policy", channel.policy, whose + "block or latest")->check(CLI::IsMember({"block", "latest"}));
+  command.add_flag("--checksum", channel.checksum, whose + "Hash every payload");
+  command.add_option("--device", channel.device, whose + "Where the payloads live: host, cuda, cuda:N");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -166,19 +180,7 @@ int main(int argc, char** argv) {
   publish_file_command->add_option("--version", publish_file.version,
                                    "The update's version (default: the first file's tensorbucket.version, else 0)")
       ->check(whole_number(0, kAny));
-  publish_file_command->add_option("--slots", publish_file.slots, "Slots (buckets in flight)")->check(whole_number(1, 16));
-  publish_file_command->add_option("--consumers", publish_file.consumers,
-                                   "Releases each bucket needs before its slot is reused (min_consumers)")
-      ->check(whole_number(0, 64));
-  publish_file_command->add_option("--max-consumers", publish_file.max_consumers, "Consumer records")
-      ->check(whole_number(1, 64));
-  publish_file_command->add_option("--update-buckets", publish_file.update_buckets,
-                                   "`latest`: the most buckets an update has")
-      ->check(whole_number(1, 16));
-  publish_file_command->add_option("--policy", publish_file.policy, "block or latest")
-      ->check(CLI::IsMember({"block", "latest"}));
-  publish_file_command->add_flag("--checksum", publish_file.checksum, "Hash every payload");
-  publish_file_command->add_option("--device", publish_file.device, "Where the payloads live: host, cuda, cuda:N");
+  add_channel_options(*publish_file_command, publish_file.created, "");
   publish_file_command->add_option("--timeout-ms", publish_file.timeout_ms,
                                    "Longest wait for a free slot, and for consumers to release everything")
       ->check(whole_number(0, kAny));
@@ -218,16 +220,7 @@ int main(int argc, char** argv) {
   relay_command->add_option("--channel", relay.channel, "The served channel's name")->required();
   relay_command->add_option("--as", relay.as, "The local channel's name (default: the same)");
   relay_command->add_option("--token-file", relay.token_file, "The shared secret, as `tbucket serve` has it")->required();
-  relay_command->add_option("--slots", relay.slots, "Local slots")->check(whole_number(1, 16));
-  relay_command->add_option("--consumers", relay.consumers, "Local releases each bucket needs (min_consumers)")
-      ->check(whole_number(0, 64));
-  relay_command->add_option("--max-consumers", relay.max_consumers, "Local consumer records")->check(whole_number(1, 64));
-  relay_command->add_option("--update-buckets", relay.update_buckets, "`latest`: the most buckets an update has")
-      ->check(whole_number(1, 16));
-  relay_command->add_option("--policy", relay.policy, "The local channel's: block or latest")
-      ->check(CLI::IsMember({"block", "latest"}));
-  relay_command->add_flag("--checksum", relay.checksum, "Hash every local payload too");
-  relay_command->add_option("--device", relay.device, "Where the local payloads live: host, cuda, cuda:N");
+  add_channel_options(*relay_command, relay.local, "Local channel: ");
   relay_command->add_option("--timeout-ms", relay.timeout_ms,
                             "A local publish waits at most this long (then the link is dropped, to resume at the "
                             "next update)")

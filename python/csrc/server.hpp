@@ -28,19 +28,7 @@ class PyServer {
                               .peer_timeout = milliseconds(peer_timeout, "peer_timeout"),
                               .max_peers = max_peers,
                               .window = window};
-    auto started = wait_until(deadline_in(timeout), [&](auto slice) -> std::optional<net::Server> {
-      try {
-        return net::Server::start(channel, options, slice);
-      } catch (const Error& e) {
-        if (e.code() != ErrorCode::ChannelMissing) throw;
-        return std::nullopt;  // no producer yet
-      }
-    });
-    if (!started) {
-      throw Error(ErrorCode::ChannelMissing,
-                  "channel '" + channel + "' had no live producer within " + as_text(*timeout) + " s");
-    }
-    server_ = std::move(*started);
+    server_ = when_produced(channel, timeout, [&](auto slice) { return net::Server::start(channel, options, slice); });
     address_ = server_->address();
   }
 

@@ -88,19 +88,7 @@ class PySubscriber {
   }
 
   static Subscriber attach(const std::string& channel, std::optional<double> timeout, const SubscribeOptions& options) {
-    auto attached = wait_until(deadline_in(timeout), [&](auto slice) -> std::optional<Subscriber> {
-      try {
-        return Subscriber::attach(channel, slice, options);
-      } catch (const Error& e) {
-        if (e.code() != ErrorCode::ChannelMissing) throw;
-        return std::nullopt;  // not there yet
-      }
-    });
-    if (!attached) {
-      throw Error(ErrorCode::ChannelMissing,
-                  "channel '" + channel + "' had no live producer within " + as_text(*timeout) + " s");
-    }
-    return std::move(*attached);
+    return when_produced(channel, timeout, [&](auto slice) { return Subscriber::attach(channel, slice, options); });
   }
 
   Turns turn_;

@@ -128,6 +128,26 @@ auto wait_until(Deadline deadline, Attempt&& attempt) {
   }
 }
 
+// What attach(slice) returns once `channel` has a live producer: retried, as wait_until does,
+// while it throws ChannelMissing; ChannelMissing naming the channel when `timeout` passed first.
+template <class Attach>
+auto when_produced(const std::string& channel, std::optional<double> timeout, Attach&& attach) {
+  using Attached = decltype(attach(std::chrono::milliseconds(0)));
+  auto attached = wait_until(deadline_in(timeout), [&](std::chrono::milliseconds slice) -> std::optional<Attached> {
+    try {
+      return attach(slice);
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::ChannelMissing) throw;
+      return std::nullopt;  // not there yet
+    }
+  });
+  if (!attached) {
+    throw Error(ErrorCode::ChannelMissing,
+                "channel '" + channel + "' had no live producer within " + as_text(*timeout) + " s");
+  }
+  return std::move(*attached);
+}
+
 // Forks of this process so far, as its child counts them: bumped in every child
 // (pthread_atfork, registered at import).
 inline std::atomic<std::uint64_t> forks_seen = 0;
