@@ -1,5 +1,6 @@
 // The receiving side: a bucket at a time from a Server, verified before it is handed out.
 #include <cstring>
+#include <deque>
 #include <list>
 #include <new>
 #include <thread>
@@ -167,31 +168,49 @@ struct RemoteState {
     last_heard = Clock::now();
   }
 
-  // Receives a payload's chunks into `payload` in order, hashing each as it comes; returns
-  // the chunked hash. Each chunk has idle_timeout (and its size at 10 MB/s) to come.
+  // Receives a payload's chunks into `payload` in order and returns their hash (wire.hpp).
+  // Each chunk is asked for as soon as the server has sent word of it, kChunksInFlight ahead at
+  // most, and hashed as soon as it is in, while the next ones travel. Each chunk has
+  // idle_timeout (and its size at 10 MB/s) to come.
   std::uint64_t receive_payload(std::span<std::byte> payload, std::uint64_t chunk_bytes) {
     constexpr std::uint64_t kMinChunk = 64 << 10, kMaxChunk = 1ull << 30;
     if (chunk_bytes < kMinChunk || chunk_bytes > kMaxChunk) lost("chunks of " + std::to_string(chunk_bytes) + " bytes");
     auto allowance = std::chrono::milliseconds(static_cast<std::int64_t>(chunk_bytes / kSlowestBytesPerMs));
+    auto chunk_at = [&](std::uint64_t at) { return payload.subspan(at, std::min(chunk_bytes, payload.size() - at)); };
     ChunkedHash hash(chunk_count(payload.size(), chunk_bytes));
-    for (std::uint64_t at = 0; at < payload.size(); at += chunk_bytes) {
-      auto chunk = payload.subspan(at, std::min(chunk_bytes, payload.size() - at));
-      auto deadline = Clock::now() + options.idle_timeout + allowance;
-      std::size_t length = 0;
-      ucp_tag_message_h found = nullptr;
-      while ((found = probe(worker.get(), tag(Kind::Payload), kAllBits, &length)) == nullptr) {
+    std::deque<Request> arriving;  // the chunks asked for, in order
+    std::uint64_t asked = 0, hashed = 0;
+    auto due = Clock::now() + options.idle_timeout + allowance;
+    try {
+      while (hashed < payload.size()) {
+        std::size_t length = 0;
+        ucp_tag_message_h found = nullptr;
+        while (asked < payload.size() && arriving.size() < kChunksInFlight &&
+               (found = probe(worker.get(), tag(Kind::Payload), kAllBits, &length)) != nullptr) {
+          auto chunk = chunk_at(asked);
+          if (length != chunk.size()) {
+            lost("a chunk of " + std::to_string(length) + " bytes where " + std::to_string(chunk.size()) + " were due");
+          }
+          arriving.push_back(receive(worker.get(), found, chunk));
+          asked += chunk.size();
+        }
+        if (!arriving.empty() && arriving.front().done()) {
+          auto chunk = chunk_at(hashed);
+          hash.add(chunk);
+          hashed += chunk.size();
+          arriving.pop_front();
+          last_heard = Clock::now();
+          due = last_heard + options.idle_timeout + allowance;
+          continue;
+        }
         check_link();
-        if (Clock::now() > deadline) lost("no payload chunk within " + std::to_string(options.idle_timeout.count()) + " ms");
+        if (Clock::now() > due) lost("no payload chunk within " + std::to_string(options.idle_timeout.count()) + " ms");
         worker.progress();
         std::this_thread::yield();  // a transfer under way: it moves only in progress calls
       }
-      if (length != chunk.size()) {
-        lost("a chunk of " + std::to_string(length) + " bytes where " + std::to_string(chunk.size()) + " were due");
-      }
-      auto receiving = receive(worker.get(), found, chunk);
-      wait_for(receiving, deadline);
-      hash.add(chunk);
-      last_heard = Clock::now();
+    } catch (const Error& e) {
+      if (e.code() == ErrorCode::NetworkError && !broken) lost(e.what());
+      throw;
     }
     return hash.value();
   }

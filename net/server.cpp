@@ -48,8 +48,8 @@ struct Peer {
   std::uint64_t sent = 0, acked = 0;  // bucket ordinals
   Clock::time_point stalled_since{};  // when its window filled while a bucket waited
   std::vector<std::byte> announce;    // the current bucket's announce and frame, for this peer
-  std::vector<Request> bucket_sends;  // the current bucket's messages
-  bool owed_hash = false;             // got the current bucket's chunks; its hash follows
+  std::vector<Request> bucket_sends;  // the current bucket's messages under way
+  bool taking = false;                // takes the current bucket: its chunks and hash follow
   std::list<Small> small;             // challenge, welcome, refusal, heartbeats
   std::string problem;                // set: drop it
   Clock::time_point close_by{};       // refused: closed once told, or at this time
@@ -76,16 +76,21 @@ struct ServerState {
   Subscriber subscriber;
   // Buffers UCX may still write into until the worker is gone: declared before it.
   std::vector<std::byte> staged;                         // a device bucket's payload, on the host
+#ifdef TENSORBUCKET_WIRE_FAULT
+  std::vector<std::byte> flipped;                        // the payload with a byte flipped
+#endif
   std::array<std::byte, 64> discard{};                   // what hear() throws away; never read
   std::vector<std::unique_ptr<std::byte[]>> lingering;   // receives hear() gave up on
   Worker worker;
   ucp_listener_h listener = nullptr;
   std::vector<ucp_conn_request_h> incoming;  // filled by the listener's callback
   std::list<Peer> peers;                     // a list: peers keep their addresses
-  std::optional<ReceivedBucket> current;     // being sent; its lease held until every send is done
-  std::span<const std::byte> current_payload;  // its bytes, on the host
-  std::optional<ChunkedHash> current_hash;    // hashed a chunk a turn, while the chunks travel
-  std::uint64_t current_hash_value = 0;       // sent after the chunks, to each peer
+  std::optional<ReceivedBucket> current;  // being sent; its lease held until every send is done
+  std::span<const std::byte> hashed;       // its payload, on the host
+  std::span<const std::byte> sent;         // what goes on the wire: the same bytes (but in a test build)
+  std::uint64_t posted = 0;                // of those bytes, hashed and sent
+  std::optional<ChunkedHash> current_hash;
+  std::uint64_t current_hash_value = 0;    // sent after the chunks, to each peer
   Clock::time_point current_deadline{};
   std::uint64_t served = 0;
   std::string address;
@@ -246,8 +251,9 @@ struct ServerState {
 
   bool has_room(const Peer& peer) const { return peer.sent - peer.acked < options.window; }
 
-  // Sends `current` to every peer in the game: joined, or joining at an update's start.
-  void send_current() {
+  // Announces `current` to every peer in the game: joined, or joining at an update's start.
+  // Its chunks follow, from next_chunk().
+  void announce_current() {
     auto& bucket = *current;
     const auto& view = bucket.view();
     auto payload = view.payload();
@@ -257,19 +263,20 @@ struct ServerState {
     }
     auto frame = view.frame();
     BucketAnnounce announce{0, bucket.sequence(), bucket.incarnation(), payload.size(), kChunkBytes, frame.size()};
-    current_payload = payload;
+    hashed = sent = payload;
+    posted = 0;
     current_hash.emplace(chunk_count(payload.size(), kChunkBytes));
 #ifdef TENSORBUCKET_WIRE_FAULT
     // Test builds only (tests/meson.build): one payload byte of the bucket whose sequence
     // TBUCKET_WIRE_FAULT names flips on the wire, after the server hashed it.
     if (const char* at = std::getenv("TBUCKET_WIRE_FAULT"); at != nullptr && !payload.empty() &&
                                                            std::to_string(bucket.sequence()) == at) {
-      staged.assign(payload.begin(), payload.end());
-      staged[staged.size() / 2] ^= std::byte{1};
-      payload = staged;
+      flipped.assign(payload.begin(), payload.end());
+      flipped[flipped.size() / 2] ^= std::byte{1};
+      sent = flipped;
     }
 #endif
-    bool sent = false;
+    bool any = false;
     for (auto& peer : peers) {
       if (!peer.serving() || (!peer.joined && view.bucket_index() != 0)) continue;
       peer.joined = true;
@@ -279,20 +286,54 @@ struct ServerState {
       std::memcpy(peer.announce.data() + sizeof announce, frame.data(), frame.size());
       try {
         peer.bucket_sends.push_back(send(worker.get(), peer.endpoint.ep, peer.announce, tag(Kind::Bucket)));
-        for (std::uint64_t at = 0; at < payload.size(); at += kChunkBytes) {
-          auto chunk = payload.subspan(at, std::min<std::uint64_t>(kChunkBytes, payload.size() - at));
-          peer.bucket_sends.push_back(send(worker.get(), peer.endpoint.ep, chunk, tag(Kind::Payload)));
-        }
-        peer.owed_hash = true;
+        peer.taking = true;
       } catch (const Error& e) {
         peer.problem = e.what();
       }
       peer.last_sent = Clock::now();
-      sent = true;
+      any = true;
     }
-    served += sent ? 1 : 0;
+    served += any ? 1 : 0;
     auto allowance = std::chrono::milliseconds(static_cast<std::int64_t>(payload.size() / kSlowestBytesPerMs));
     current_deadline = Clock::now() + options.peer_timeout + allowance;
+  }
+
+  // Hashes the current payload's next chunk and sends it to the peers taking it, once each has
+  // room for it (kChunksInFlight); after the last chunk, the hash. Sending a chunk right after
+  // hashing it means the network stack reads it from the cache.
+  void next_chunk() {
+    bool room = true, anyone = false;
+    for (const auto& peer : peers) {
+      if (!peer.live() || !peer.taking) continue;
+      anyone = true;
+      room = room && peer.bucket_sends.size() < kChunksInFlight;
+    }
+    if (!anyone || !room) return;
+    if (posted < sent.size()) {
+      auto size = std::min<std::uint64_t>(kChunkBytes, sent.size() - posted);
+      current_hash->add(hashed.subspan(posted, size));
+      for (auto& peer : peers) {
+        if (!peer.live() || !peer.taking) continue;
+        try {
+          peer.bucket_sends.push_back(send(worker.get(), peer.endpoint.ep, sent.subspan(posted, size), tag(Kind::Payload)));
+        } catch (const Error& e) {
+          peer.problem = e.what();
+        }
+      }
+      posted += size;
+      return;
+    }
+    current_hash_value = current_hash->value();
+    for (auto& peer : peers) {
+      if (!peer.live() || !peer.taking) continue;
+      peer.taking = false;
+      try {
+        peer.bucket_sends.push_back(send(worker.get(), peer.endpoint.ep, std::as_bytes(std::span(&current_hash_value, 1)),
+                                         tag(Kind::PayloadHash)));
+      } catch (const Error& e) {
+        peer.problem = e.what();
+      }
+    }
   }
 
   void heartbeats() {
@@ -306,50 +347,28 @@ struct ServerState {
     }
   }
 
-  // Hashes the current payload's next chunk; once all are, sends each peer the hash.
-  void hash_a_chunk() {
-    auto& hash = *current_hash;
-    auto at = hash.chunks() * kChunkBytes;
-    if (at < current_payload.size()) {
-      hash.add(current_payload.subspan(at, std::min<std::uint64_t>(kChunkBytes, current_payload.size() - at)));
-      return;
-    }
-    current_hash_value = hash.value();
-    for (auto& peer : peers) {
-      if (!peer.live() || !peer.owed_hash) continue;
-      peer.owed_hash = false;
-      try {
-        peer.bucket_sends.push_back(send(worker.get(), peer.endpoint.ep, std::as_bytes(std::span(&current_hash_value, 1)),
-                                         tag(Kind::PayloadHash)));
-      } catch (const Error& e) {
-        peer.problem = e.what();
-      }
-    }
-    current_hash.reset();
-  }
-
   // One turn of the loop.
   void turn() {
     worker.progress();
     admit();
     hear();
-    if (current_hash) hash_a_chunk();
     for (auto& peer : peers) settle(peer);
+    if (current) next_chunk();
     heartbeats();
     auto now = Clock::now();
     if (current) {
       bool done = true;
       for (auto& peer : peers) {
-        if (!peer.live() || (peer.bucket_sends.empty() && !peer.owed_hash)) continue;
+        if (!peer.live() || (peer.bucket_sends.empty() && !peer.taking)) continue;
         done = false;
         if (now > current_deadline) {
           peer.problem = "took no bucket within " + std::to_string(options.peer_timeout.count()) + " ms";
         }
       }
       drop_failed();
-      if (!done || current_hash) {
+      if (!done) {
         // The transfer goes on only in this thread's progress calls: they run back to back.
-        if (!current_hash) std::this_thread::yield();
+        std::this_thread::yield();
         return;
       }
       current.reset();  // every send is done: the slot's bytes are no longer read
@@ -381,7 +400,7 @@ struct ServerState {
     auto bucket = subscriber.next(kLocalSlice);
     if (!bucket) return;
     current = std::move(bucket);
-    send_current();
+    announce_current();
   }
 };
 

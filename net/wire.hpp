@@ -72,10 +72,13 @@ struct BucketAnnounce {
   std::uint64_t frame_bytes;   // the frame that follows this announce in the same message
 };
 
-// A payload travels in chunks, so that each side hashes one chunk while the next is on the
-// wire. Its hash, sent after the chunks and checked by the peer, is the xxh3 of the chunks'
-// xxh3s in order; ChunkedHash computes it a chunk at a time.
-inline constexpr std::uint64_t kChunkBytes = 8ull << 20;
+// A payload travels in chunks, a few in flight at a time. The server hashes each chunk just
+// before it sends it and the relay just after it arrives, so that each side reads it while it
+// is in the cache, and neither stops the link to hash. The payload's hash, sent after the
+// chunks and checked by the peer, is the xxh3 of the chunks' xxh3s in order; ChunkedHash
+// computes it a chunk at a time.
+inline constexpr std::uint64_t kChunkBytes = 1ull << 20;
+inline constexpr std::size_t kChunksInFlight = 8;  // per peer, sent and not yet received
 
 class ChunkedHash {
  public:
