@@ -35,7 +35,8 @@ struct RemoteState {
   ConnectOptions options;
   // Buffers UCX may still write into until the worker is gone: declared before it.
   std::vector<std::byte> message;
-  std::shared_ptr<AlignedBuffer> buffer;
+  std::shared_ptr<AlignedBuffer> buffer;  // a payload that came in chunks
+  std::shared_ptr<AlignedBuffer> inbox;   // a Bucket message, with its payload when it came whole
   std::list<PendingAck> acks;
   Worker worker;
   Endpoint endpoint;
@@ -82,13 +83,21 @@ struct RemoteState {
   // The next message of `kind` taken whole into `into` (resized to it), waiting until `until`;
   // false at `until`. Longer than `limit` bytes: the link is dropped.
   bool take(Kind kind, std::vector<std::byte>& into, std::size_t limit, Clock::time_point until) {
+    return take(kind, limit, until, [&](std::size_t length) {
+      into.resize(length);
+      return std::span(into);
+    });
+  }
+
+  // The same, into the `length` bytes room(length) gives.
+  template <class Room>
+  bool take(Kind kind, std::size_t limit, Clock::time_point until, Room room) {
     for (;;) {
       check_link();
       std::size_t length = 0;
       if (auto* found = probe(worker.get(), tag(kind), kKindMask, &length)) {
         if (length > limit) lost("a message of " + std::to_string(length) + " bytes where " + std::to_string(limit) + " is the most");
-        into.resize(length);
-        auto receiving = receive(worker.get(), found, into);
+        auto receiving = receive(worker.get(), found, room(length));
         wait_for(receiving, Clock::now() + options.idle_timeout);
         last_heard = Clock::now();
         return true;
@@ -215,22 +224,46 @@ struct RemoteState {
     return hash.value();
   }
 
+  // A Bucket message's room: `inbox` again when no bucket holds it (a payload that came whole
+  // stays there), else a new one. Aligned, so that such a payload is.
+  std::span<std::byte> inbox_room(std::size_t length) {
+    if (!inbox || inbox.use_count() != 1 || inbox->size() < length) {
+      inbox.reset();
+      try {
+        inbox = std::make_shared<AlignedBuffer>(std::max<std::size_t>(length, 1));
+      } catch (const std::bad_alloc&) {
+        lost("no memory for a message of " + std::to_string(length) + " bytes");
+      }
+    }
+    return inbox->span().first(length);
+  }
+
   std::optional<RemoteBucket> next(Clock::time_point until, const VerifyOptions& verify, const PayloadPlace& place) {
     if (broken) throw Error(ErrorCode::NetworkError, "link to " + address + " is closed: connect again");
-    constexpr std::size_t kMaxMessage = sizeof(BucketAnnounce) + sizeof(BucketHeader) + kMaxManifestBytes;
+    constexpr std::size_t kMaxFrame = sizeof(BucketHeader) + kMaxManifestBytes;
+    constexpr std::size_t kMaxMessage = sizeof(BucketAnnounce) + kMaxFrame + kPayloadAlignment + kChunkBytes;
+    std::span<std::byte> received;  // the Bucket message
     for (;;) {
       acks.remove_if([](PendingAck& pending) { return pending.request.done(); });
       skip_heartbeats();
-      if (take(Kind::Bucket, message, kMaxMessage, std::min(until, Clock::now() + 50ms))) break;
+      if (take(Kind::Bucket, kMaxMessage, std::min(until, Clock::now() + 50ms),
+               [&](std::size_t length) { return received = inbox_room(length); })) {
+        break;
+      }
       refused_or_silent();
       if (Clock::now() >= until) return std::nullopt;
     }
     BucketAnnounce announce{};
-    if (message.size() < sizeof announce) lost("a malformed bucket announce");
-    std::memcpy(&announce, message.data(), sizeof announce);
-    if (announce.frame_bytes != message.size() - sizeof announce || announce.ordinal != ordinal + 1) {
-      lost("a malformed bucket announce");
-    }
+    if (received.size() < sizeof announce) lost("a malformed bucket announce");
+    std::memcpy(&announce, received.data(), sizeof announce);
+    bool whole = announce.chunk_bytes == 0;
+    auto frame_end = sizeof announce + std::min<std::uint64_t>(announce.frame_bytes, kMaxFrame);
+    bool well_formed =
+        announce.ordinal == ordinal + 1 && announce.frame_bytes <= kMaxFrame &&
+        (whole ? announce.whole_offset % kPayloadAlignment == 0 && announce.whole_offset >= frame_end &&
+                     announce.whole_offset <= received.size() && received.size() - announce.whole_offset == announce.payload_bytes
+               : frame_end == received.size() && announce.whole_offset == 0 && announce.whole_hash == 0);
+    if (!well_formed) lost("a malformed bucket announce");
     if (announce.payload_bytes > options.max_bucket_bytes) {
       lost("a payload of " + std::to_string(announce.payload_bytes) + " bytes, past max_bucket_bytes " +
            std::to_string(options.max_bucket_bytes));
@@ -238,7 +271,7 @@ struct RemoteState {
     if (last && last->first == announce.incarnation && announce.sequence <= last->second) {
       lost("bucket " + std::to_string(announce.sequence) + " came after bucket " + std::to_string(last->second));
     }
-    auto frame = std::span<const std::byte>(message).subspan(sizeof announce);
+    auto frame = std::span<const std::byte>(received).subspan(sizeof announce, announce.frame_bytes);
     std::span<std::byte> payload;
     if (place && announce.payload_bytes > 0) {
       std::span<std::byte> given;
@@ -252,25 +285,39 @@ struct RemoteState {
       if (given.size() >= announce.payload_bytes) payload = given.first(announce.payload_bytes);
     }
     std::shared_ptr<void> owner;  // none when the payload is the caller's
-    if (payload.empty()) {
-      if (!buffer || buffer.use_count() != 1 || buffer->size() < announce.payload_bytes) {
-        buffer.reset();  // before the new one: two of the largest buckets need not fit at once
-        try {
-          buffer = std::make_shared<AlignedBuffer>(announce.payload_bytes);
-        } catch (const std::bad_alloc&) {
-          lost("no memory for a payload of " + std::to_string(announce.payload_bytes) + " bytes");
-        }
+    std::uint64_t hash = 0, sent_hash = 0;
+    if (whole) {
+      auto came = received.subspan(announce.whole_offset);
+      if (payload.empty()) {
+        payload = came;
+        owner = inbox;
+      } else {
+        std::memcpy(payload.data(), came.data(), came.size());
       }
-      payload = buffer->span().first(announce.payload_bytes);
-      owner = buffer;
+      hash = hash_as_one_chunk(payload);
+      sent_hash = announce.whole_hash;
+    } else {
+      if (payload.empty()) {
+        if (!buffer || buffer.use_count() != 1 || buffer->size() < announce.payload_bytes) {
+          buffer.reset();  // before the new one: two of the largest buckets need not fit at once
+          try {
+            buffer = std::make_shared<AlignedBuffer>(announce.payload_bytes);
+          } catch (const std::bad_alloc&) {
+            lost("no memory for a payload of " + std::to_string(announce.payload_bytes) + " bytes");
+          }
+        }
+        payload = buffer->span().first(announce.payload_bytes);
+        owner = buffer;
+      }
+      hash = receive_payload(payload, announce.chunk_bytes);
+      std::vector<std::byte> hash_message;
+      if (!take(Kind::PayloadHash, hash_message, sizeof sent_hash, Clock::now() + options.idle_timeout) ||
+          hash_message.size() != sizeof sent_hash) {
+        lost("no payload hash after the payload");
+      }
+      std::memcpy(&sent_hash, hash_message.data(), sizeof sent_hash);
     }
-    auto hash = receive_payload(payload, announce.chunk_bytes);
-    std::vector<std::byte> sent_hash;
-    if (!take(Kind::PayloadHash, sent_hash, sizeof(std::uint64_t), Clock::now() + options.idle_timeout) ||
-        sent_hash.size() != sizeof(std::uint64_t)) {
-      lost("no payload hash after the payload");
-    }
-    if (std::memcmp(&hash, sent_hash.data(), sizeof hash) != 0) {
+    if (hash != sent_hash) {
       broken = true;
       detail::close(worker, endpoint, kCloseLimit);
       throw Error(ErrorCode::ChecksumMismatch, "bucket " + std::to_string(announce.sequence) + " from " + address +

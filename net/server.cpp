@@ -252,7 +252,7 @@ struct ServerState {
   bool has_room(const Peer& peer) const { return peer.sent - peer.acked < options.window; }
 
   // Announces `current` to every peer in the game: joined, or joining at an update's start.
-  // Its chunks follow, from next_chunk().
+  // A payload of one chunk goes with it; a larger one follows, from next_chunk().
   void announce_current() {
     auto& bucket = *current;
     const auto& view = bucket.view();
@@ -262,7 +262,6 @@ struct ServerState {
       payload = std::span<const std::byte>(staged).first(view.payload().size());
     }
     auto frame = view.frame();
-    BucketAnnounce announce{0, bucket.sequence(), bucket.incarnation(), payload.size(), kChunkBytes, frame.size()};
     hashed = sent = payload;
     posted = 0;
     current_hash.emplace(chunk_count(payload.size(), kChunkBytes));
@@ -276,17 +275,32 @@ struct ServerState {
       sent = flipped;
     }
 #endif
+    BucketAnnounce announce{0, bucket.sequence(), bucket.incarnation(), payload.size(), frame.size(), kChunkBytes, 0, 0};
+    auto message_bytes = sizeof announce + frame.size();
+    bool whole = payload.size() <= kChunkBytes;
+    if (whole) {
+      announce.chunk_bytes = 0;
+      announce.whole_offset = (message_bytes + kPayloadAlignment - 1) / kPayloadAlignment * kPayloadAlignment;
+      announce.whole_hash = hash_as_one_chunk(hashed);
+      message_bytes = announce.whole_offset + payload.size();
+      posted = payload.size();
+    }
     bool any = false;
     for (auto& peer : peers) {
       if (!peer.serving() || (!peer.joined && view.bucket_index() != 0)) continue;
       peer.joined = true;
       announce.ordinal = ++peer.sent;
-      peer.announce.resize(sizeof announce + frame.size());
-      std::memcpy(peer.announce.data(), &announce, sizeof announce);
-      std::memcpy(peer.announce.data() + sizeof announce, frame.data(), frame.size());
+      peer.announce.resize(message_bytes);
+      auto* at = peer.announce.data();
+      std::memcpy(at, &announce, sizeof announce);
+      std::memcpy(at + sizeof announce, frame.data(), frame.size());
+      if (whole) {
+        std::memset(at + sizeof announce + frame.size(), 0, announce.whole_offset - sizeof announce - frame.size());
+        if (!sent.empty()) std::memcpy(at + announce.whole_offset, sent.data(), sent.size());
+      }
       try {
         peer.bucket_sends.push_back(send(worker.get(), peer.endpoint.ep, peer.announce, tag(Kind::Bucket)));
-        peer.taking = true;
+        peer.taking = !whole;
       } catch (const Error& e) {
         peer.problem = e.what();
       }

@@ -19,7 +19,7 @@ namespace tensorbucket::net::detail {
 
 static_assert(std::endian::native == std::endian::little, "the wire layout is little-endian");
 
-inline constexpr std::uint32_t kProtocolVersion = 1;
+inline constexpr std::uint32_t kProtocolVersion = 2;
 inline constexpr std::array<char, 8> kMagic = {'T', 'B', 'N', 'E', 'T', '\0', '\0', '\0'};
 
 enum class Kind : std::uint8_t {
@@ -27,7 +27,7 @@ enum class Kind : std::uint8_t {
   Proof,          // peer → server: its proof and its own nonce
   Welcome,        // server → peer: the server's proof; buckets follow
   Refused,        // server → peer: why it closes the link (text)
-  Bucket,         // server → peer: BucketAnnounce followed by the frame
+  Bucket,         // server → peer: BucketAnnounce, the frame, and a payload of one chunk at most
   Payload,        // server → peer: one chunk of the payload's bytes (chunks in order)
   Ack,            // peer → server: the ordinal of the last bucket it took
   Heartbeat,      // server → peer, when idle: the link is alive
@@ -68,8 +68,14 @@ struct BucketAnnounce {
   std::uint64_t sequence;     // in the served channel
   std::uint64_t incarnation;  // of the served channel's producer
   std::uint64_t payload_bytes;
-  std::uint64_t chunk_bytes;   // the payload comes in Payload messages of this size (the last: the rest)
   std::uint64_t frame_bytes;   // the frame that follows this announce in the same message
+  // A payload of kChunkBytes or less travels in this message, at `whole_offset` (a multiple of
+  // kPayloadAlignment, after the frame), its hash in `whole_hash`: one rendezvous, not three
+  // messages. A larger one comes in Payload messages of `chunk_bytes` (the last: the rest),
+  // then PayloadHash; the whole_ fields are 0.
+  std::uint64_t chunk_bytes;   // 0: the payload is in this message
+  std::uint64_t whole_offset;
+  std::uint64_t whole_hash;
 };
 
 // A payload travels in chunks, a few in flight at a time. The server hashes each chunk just
@@ -90,6 +96,13 @@ class ChunkedHash {
  private:
   std::vector<std::uint64_t> hashes_;
 };
+
+// The hash of a payload that travels whole: as if in chunks, as one chunk.
+inline std::uint64_t hash_as_one_chunk(std::span<const std::byte> payload) {
+  ChunkedHash hash(1);
+  if (!payload.empty()) hash.add(payload);
+  return hash.value();
+}
 
 constexpr std::uint64_t chunk_count(std::uint64_t payload_bytes, std::uint64_t chunk_bytes) {
   return (payload_bytes + chunk_bytes - 1) / chunk_bytes;

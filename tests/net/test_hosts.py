@@ -203,16 +203,23 @@ def test_killed_relay_serve_and_link_resume_without_torn_or_stale_buckets(hosts)
         assert len(versions) > count // 4, f"{server.name} got only {len(versions)} buckets"
 
 
+# A payload of one chunk (1 MiB) or less travels in the bucket's announce; a larger one in
+# chunks, received into a buffer, or straight into a local slot from 4 MiB on.
+PAYLOADS = {"whole": ("4", "65536"), "chunks": ("3", "1048576"), "chunks_in_place": ("5", "1048576")}
+
+
 @needs_root
-def test_a_byte_corrupted_on_the_wire_is_caught_by_the_payload_hash(hosts):
+@pytest.mark.parametrize("payload", ["whole", "chunks_in_place"])
+def test_a_byte_corrupted_on_the_wire_is_caught_by_the_payload_hash(hosts, payload):
     h, count, port, bad = hosts, 60, 17004, 20
+    tensors, tensor_bytes = PAYLOADS[payload]
     up, down = f"up{h.suffix}", f"down{h.suffix}"
     server = h.start(h.b, "server", "consume", "--channel", down, "--verify", "--json", "--quiet", "--timeout-ms",
                      "5000")
     h.start(h.b, "relay", "relay", "--connect", f"{h.addr_a}:{port}", "--channel", up, "--as", down,
             "--token-file", str(h.token))
-    h.start(h.a, "trainer", "produce", "--channel", up, "--buckets", str(count), "--tensors", "4",
-            "--tensor-bytes", "65536", "--quiet", "--timeout-ms", "30000")
+    h.start(h.a, "trainer", "produce", "--channel", up, "--buckets", str(count), "--tensors", tensors,
+            "--tensor-bytes", tensor_bytes, "--quiet", "--timeout-ms", "30000")
     h.start(h.a, "serve", "serve", "--channel", up, "--listen", f"{h.addr_a}:{port}", "--token-file", str(h.token),
             program=os.environ["TBUCKET_WIRE_FAULT_BUILD"], env={"TBUCKET_WIRE_FAULT": str(bad)})
     wait_for(lambda: buckets(h, "server")[-1:] == [count - 1], 60, "the last bucket")
@@ -222,10 +229,12 @@ def test_a_byte_corrupted_on_the_wire_is_caught_by_the_payload_hash(hosts):
     server.send_signal(signal.SIGTERM)
 
 
-def test_same_host_through_shared_memory_transports(tmp_path):
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_same_host_through_shared_memory_transports(tmp_path, payload):
     """No namespaces: UCX picks its shared-memory transports between the two processes."""
     token = make_token(tmp_path / "token")
     tag, count = os.getpid(), 200
+    tensors, tensor_bytes = PAYLOADS[payload]
     up, down = f"sameup{tag}", f"samedown{tag}"
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("server", "relay", "trainer", "serve")}
     run = lambda name, *args: subprocess.Popen([TBUCKET, *args], stdout=logs[name], stderr=subprocess.STDOUT)
@@ -234,8 +243,8 @@ def test_same_host_through_shared_memory_transports(tmp_path):
             "--timeout-ms", "60000"),
         run("relay", "relay", "--connect", "127.0.0.1:17005", "--channel", up, "--as", down, "--token-file",
             str(token), "--buckets", str(count)),
-        run("trainer", "produce", "--channel", up, "--buckets", str(count), "--tensors", "16", "--tensor-bytes",
-            "65536", "--quiet", "--timeout-ms", "60000"),
+        run("trainer", "produce", "--channel", up, "--buckets", str(count), "--tensors", tensors, "--tensor-bytes",
+            tensor_bytes, "--quiet", "--timeout-ms", "60000"),
         run("serve", "serve", "--channel", up, "--listen", "127.0.0.1:17005", "--token-file", str(token)),
     ]
     try:
