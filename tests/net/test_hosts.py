@@ -259,3 +259,40 @@ def test_same_host_through_shared_memory_transports(tmp_path, payload):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=15)
+
+
+def test_connections_that_never_prove_the_token_are_capped_and_refused(tmp_path):
+    """Nine links that never send a proof: the server challenges eight, turns the ninth away,
+    refuses the eight after 3 s, and a genuine relay that came meanwhile gets in after them."""
+    token = make_token(tmp_path / "token")
+    tag, count, address = os.getpid(), 20, "127.0.0.1:17006"
+    up, down = f"capup{tag}", f"capdown{tag}"
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("server", "relay", "trainer", "serve")}
+    run = lambda name, *args: subprocess.Popen([TBUCKET, *args], stdout=logs[name], stderr=subprocess.STDOUT)
+    procs = [
+        run("trainer", "produce", "--channel", up, "--buckets", "100000", "--tensors", "4", "--tensor-bytes", "4096",
+            "--interval-ms", "5", "--quiet", "--timeout-ms", "60000"),
+        run("serve", "serve", "--channel", up, "--listen", address, "--token-file", str(token)),
+    ]
+    try:
+        wait_for(lambda: "on 127.0.0.1" in (tmp_path / "serve.log").read_text(), 30, "serve to listen")
+        silent = subprocess.Popen([os.environ["TBUCKET_SILENT_PEER"], address, "9", "6"], stdout=subprocess.PIPE,
+                                  text=True)
+        wait_for(lambda: "proving the token already" in (tmp_path / "serve.log").read_text(), 30,
+                 "the ninth link to be turned away")
+        procs.append(run("relay", "relay", "--connect", address, "--channel", up, "--as", down, "--token-file",
+                         str(token)))
+        procs.append(run("server", "consume", "--channel", down, "--buckets", str(count), "--verify", "--json",
+                         "--quiet", "--timeout-ms", "60000"))
+        out, _ = silent.communicate(timeout=60)
+        assert out.split() == ["challenged", "8", "refused", "8", "cut", "9"], out
+        assert "no proof of the token within 3 s" in (tmp_path / "serve.log").read_text()
+        assert procs[-1].wait(timeout=60) == 0, (tmp_path / "relay.log").read_text()
+        lines = [json.loads(line) for line in (tmp_path / "server.log").read_text().splitlines()
+                 if line.startswith("{")]
+        assert len(lines) == count and all(line["ok"] for line in lines)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=15)
