@@ -345,9 +345,9 @@ struct RemoteState {
 RemoteSubscriber RemoteSubscriber::connect(std::string_view address, const ConnectOptions& options,
                                            std::chrono::milliseconds timeout) {
   if (options.token.empty()) throw Error(ErrorCode::InvalidArgument, "connect needs a token (read_token_file)");
-  auto where = detail::parse_address(address, false);
-  auto state = std::make_unique<detail::RemoteState>(address, options);
   auto until = detail::Clock::now() + timeout;
+  auto where = detail::parse_address(address, false, timeout);
+  auto state = std::make_unique<detail::RemoteState>(address, options);
   detail::connect(state->worker.get(), state->endpoint, where);
   state->handshake(until, options.token);
   return RemoteSubscriber(std::move(state));

@@ -5,6 +5,9 @@
 #include <poll.h>
 
 #include <charconv>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <cstring>
 #include <thread>
 
@@ -16,7 +19,34 @@ void fail_ucx(std::string_view what, ucs_status_t status) {
   throw Error(ErrorCode::NetworkError, std::string(what) + ": " + ucs_status_string(status));
 }
 
-SocketAddress parse_address(std::string_view text, bool numeric_only) {
+namespace {
+
+// getaddrinfo()'s answer, freed with it.
+struct Lookup {
+  std::mutex mutex;
+  std::condition_variable answered;
+  bool done = false;
+  int status = EAI_SYSTEM;
+  addrinfo* found = nullptr;
+  ~Lookup() {
+    if (found != nullptr) ::freeaddrinfo(found);
+  }
+};
+
+std::shared_ptr<Lookup> resolve(const std::string& host, const std::string& port, bool numeric) {
+  auto lookup = std::make_shared<Lookup>();
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = numeric ? AI_NUMERICHOST : 0;
+  lookup->status = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &lookup->found);
+  lookup->done = true;
+  return lookup;
+}
+
+}  // namespace
+
+SocketAddress parse_address(std::string_view text, bool numeric_only, std::chrono::milliseconds limit) {
   auto bad = [&](const std::string& why) {
     return Error(ErrorCode::InvalidArgument, "address '" + std::string(text) + "' " + why +
                                                  " (want ADDRESS:PORT, or [ADDRESS]:PORT for IPv6)");
@@ -40,22 +70,36 @@ SocketAddress parse_address(std::string_view text, bool numeric_only) {
     throw bad("has no port from 0 to 65535");
   }
   if (host.empty()) throw bad("names no host");
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = numeric_only ? AI_NUMERICHOST : 0;
-  addrinfo* found = nullptr;
   std::string host_text(host), port_text(port);
-  if (int status = ::getaddrinfo(host_text.c_str(), port_text.c_str(), &hints, &found); status != 0) {
+  auto lookup = resolve(host_text, port_text, true);  // a numeric address: no resolver
+  if (lookup->status == EAI_NONAME && !numeric_only) {
+    // A name: the resolver may take its time (DNS timeouts and retries), so it runs in a
+    // thread of its own that this one waits for, `limit` at most. A thread given up on finishes
+    // alone; the lookup it fills is shared.
+    lookup = std::make_shared<Lookup>();
+    std::thread([lookup, host_text, port_text] {
+      auto answer = resolve(host_text, port_text, false);
+      std::lock_guard lock(lookup->mutex);
+      std::swap(lookup->status, answer->status);
+      std::swap(lookup->found, answer->found);
+      lookup->done = true;
+      lookup->answered.notify_all();
+    }).detach();
+    std::unique_lock lock(lookup->mutex);
+    if (!lookup->answered.wait_for(lock, limit, [&] { return lookup->done; })) {
+      throw Error(ErrorCode::NetworkError, "address '" + std::string(text) + "': the resolver gave no answer within " +
+                                               std::to_string(limit.count()) + " ms");
+    }
+  }
+  if (lookup->status != 0) {
     throw Error(numeric_only ? ErrorCode::InvalidArgument : ErrorCode::NetworkError,
-                "address '" + std::string(text) + "': " + ::gai_strerror(status) +
+                "address '" + std::string(text) + "': " + ::gai_strerror(lookup->status) +
                     (numeric_only ? " (a listener takes a numeric address of this host)" : ""));
   }
   SocketAddress address;
-  std::memcpy(&address.storage, found->ai_addr, found->ai_addrlen);
-  address.length = found->ai_addrlen;
+  std::memcpy(&address.storage, lookup->found->ai_addr, lookup->found->ai_addrlen);
+  address.length = lookup->found->ai_addrlen;
   address.text = std::string(text);
-  ::freeaddrinfo(found);
   return address;
 }
 

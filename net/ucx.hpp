@@ -19,14 +19,16 @@ using Clock = std::chrono::steady_clock;
 [[noreturn]] void fail_ucx(std::string_view what, ucs_status_t status);
 
 // "ADDRESS:PORT", or "[ADDRESS]:PORT" for IPv6. A listener takes a numeric address only (never
-// a name that could resolve to every interface); a connect may name a host.
+// a name that could resolve to every interface); a connect may name a host, which the resolver
+// must answer within `limit` (NetworkError past it: a hung resolver does not hang the caller).
 struct SocketAddress {
   sockaddr_storage storage{};
   socklen_t length = 0;
   std::string text;  // as given, for messages
   const sockaddr* get() const noexcept { return reinterpret_cast<const sockaddr*>(&storage); }
 };
-SocketAddress parse_address(std::string_view text, bool numeric_only);
+SocketAddress parse_address(std::string_view text, bool numeric_only,
+                            std::chrono::milliseconds limit = std::chrono::seconds(5));
 std::string to_string(const sockaddr_storage& address);
 
 class Worker {

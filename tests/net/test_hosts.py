@@ -296,3 +296,32 @@ def test_connections_that_never_prove_the_token_are_capped_and_refused(tmp_path)
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=15)
+
+
+@needs_root
+def test_a_resolver_that_never_answers_does_not_hang_the_relay(tmp_path):
+    """A host name whose DNS server never answers (the queries go into a veth whose other end is
+    down): the relay reports the resolver's silence within its connect timeout, again and
+    again, instead of hanging in getaddrinfo()."""
+    ns = f"tbdns{os.getpid() % 100000}"
+    conf = Path("/etc/netns") / ns / "resolv.conf"  # `ip netns exec` mounts it over /etc/resolv.conf
+    ip("netns", "add", ns)
+    try:
+        conf.parent.mkdir(parents=True, exist_ok=True)
+        conf.write_text("nameserver 198.18.251.2\noptions timeout:5 attempts:3\n")
+        ip("-n", ns, "link", "add", "sink", "type", "veth", "peer", "name", "sinkpeer")
+        ip("-n", ns, "addr", "add", "198.18.251.1/24", "dev", "sink")
+        ip("-n", ns, "link", "set", "sink", "up")
+        ip("-n", ns, "neigh", "add", "198.18.251.2", "lladdr", "02:00:00:00:00:01", "dev", "sink", "nud", "permanent")
+        relay = subprocess.Popen(["ip", "netns", "exec", ns, TBUCKET, "relay", "--connect", "weights.example:17000",
+                                  "--channel", "x", "--token-file", str(make_token(tmp_path / "token")),
+                                  "--timeout-ms", "1000"], stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(4)
+        finally:
+            relay.send_signal(signal.SIGTERM)
+            _, err = relay.communicate(timeout=30)
+        assert err.count("the resolver gave no answer within 1000 ms") >= 2, err
+    finally:
+        ip("netns", "del", ns, check=False)
+        shutil.rmtree(conf.parent, ignore_errors=True)
