@@ -10,13 +10,14 @@ run:
 - throughput of 256 MiB buckets: a Python trainer in host a publishes one 256 MiB tensor again
   and again; `tbucket serve` sends it to `tbucket relay` in host b, which republishes it to a
   consumer there. The relay's rate line counts from the first bucket's arrival to the last one's
-  publish. Beside it, `ucx_perftest -t tag_bw -s 256MiB` between the same hosts: the limit.
-- latency of 1000 x 1 KiB buckets: a Python trainer in host a publishes one every 20 ms, its
-  version the CLOCK_MONOTONIC time just before publish() (the hosts share the machine's clock);
-  a Python server in host b takes each from the relay's channel: the median of version -> the
-  views in hand in host b, Python's publish (0.3-1 ms for 1000 tensors) included. Beside it,
-  `ucx_perftest -t tag_lat` with one message of the same bytes (its one-way latency: half a
-  round trip).
+  publish; 40 buckets, so that the first ones, which fault in fresh slots, weigh little. Beside it, `ucx_perftest -t tag_bw -s 256MiB` between the same hosts: the limit.
+- latency of buckets of 1000 x 1 KiB tensors: a Python trainer in host a publishes them, a
+  Python server in host b takes each from the relay's channel. Two paces: one bucket every
+  20 ms (the machine idles between them), and in turns (the next once the server had the last,
+  told through a pipe, as a ping-pong goes). Two medians each: from publish() called, Python's
+  publish of 1000 tensors (0.3-1 ms) included, and from publish() returned, to the views in
+  hand in host b. Beside them, `ucx_perftest -t tag_lat` with one message of the same bytes
+  (its one-way latency: half a round trip).
 - gloo: torch.distributed.broadcast of the same 256 MiB and 1000 KiB flat tensors, rank 0 in
   host a, rank 1 in host b; the median of rank 1's broadcast times.
 It prints the median over the rounds of each figure and the ratios.
@@ -119,45 +120,66 @@ def ours_throughput(tbucket, token, port, buckets):
     return float(rate.group(1)) * (1 << 20) / 1e6  # MB/s, as ucx_perftest counts
 
 
+# The trainer's version is CLOCK_MONOTONIC just before publish() (the hosts share the machine's
+# clock); it prints when publish() returned. Paced, it publishes every 20 ms; in turns, once the
+# server in host b has had the previous bucket (a byte through a pipe, not the network), as
+# ucx_perftest's ping-pong sends once the previous message came back.
 SMALL_TRAINER = textwrap.dedent('''
-    import sys, time, torch, tensorbucket as tb
-    channel, count = sys.argv[1], int(sys.argv[2])
+    import os, sys, time, torch, tensorbucket as tb
+    channel, count, turns = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     tensors = {f"t{i}": torch.zeros(%d // 4, dtype=torch.float32) for i in range(%d)}
     with tb.Publisher(channel) as publisher:
         for _ in range(count):
-            publisher.publish(tensors, version=time.monotonic_ns(), timeout=120)
-            time.sleep(0.02)
+            version = time.monotonic_ns()
+            publisher.publish(tensors, version=version, timeout=120)
+            print(version, time.monotonic_ns(), flush=True)
+            if turns >= 0:
+                os.read(turns, 1)
+            else:
+                time.sleep(0.02)
 ''' % (SMALL_BYTES, SMALL_TENSORS))
 
 SMALL_SERVER = textwrap.dedent('''
-    import sys, time, tensorbucket as tb
-    channel, count = sys.argv[1], int(sys.argv[2])
+    import os, sys, time, tensorbucket as tb
+    channel, count, turns = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     subscriber = tb.Subscriber(channel, timeout=120)
     for _ in range(count):
         bucket = subscriber.next(timeout=120)
-        print((time.monotonic_ns() - bucket.version) / 1000, flush=True)
+        print(bucket.version, time.monotonic_ns(), flush=True)
         bucket.release()
+        if turns >= 0:
+            os.write(turns, b"x")
 ''')
 
 
-def ours_latency(tbucket, token, port, buckets):
+def ours_latency(tbucket, token, port, buckets, in_turns):
+    """Medians, in µs, of publish() called -> views in host b, and publish() returned -> views."""
     up, down = f"bench-lat-up-{port}", f"bench-lat-down-{port}"
+    take_turn, give_turn = os.pipe() if in_turns else (-1, -1)
     relay = in_host(B, tbucket, "relay", "--connect", f"{ADDR_A}:{port}", "--channel", up, "--as", down,
                     "--token-file", token, "--buckets", str(buckets), "--quiet", stdout=subprocess.DEVNULL)
-    consumer = in_host(B, sys.executable, "-c", SMALL_SERVER, down, str(buckets), stdout=subprocess.PIPE, text=True)
-    trainer = in_host(A, sys.executable, "-c", SMALL_TRAINER, up, str(buckets))
+    consumer = in_host(B, sys.executable, "-c", SMALL_SERVER, down, str(buckets), str(give_turn),
+                       stdout=subprocess.PIPE, text=True, pass_fds=[give_turn] if in_turns else [])
+    trainer = in_host(A, sys.executable, "-c", SMALL_TRAINER, up, str(buckets), str(take_turn),
+                      stdout=subprocess.PIPE, text=True, pass_fds=[take_turn] if in_turns else [])
     time.sleep(2)
     serve = in_host(A, tbucket, "serve", "--channel", up, "--listen", f"{ADDR_A}:{port}", "--token-file", token,
                     stderr=subprocess.DEVNULL)
     try:
         out, _ = consumer.communicate(timeout=600)
+        published, _ = trainer.communicate(timeout=60)
     finally:
         for proc in (serve, relay, trainer):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    latencies = [float(line) for line in out.split()]
-    return statistics.median(latencies[len(latencies) // 10:])  # past the first tenth: warm
+        if in_turns:
+            os.close(take_turn)
+            os.close(give_turn)
+    returned = dict(tuple(map(int, line.split())) for line in published.splitlines())
+    arrived = [tuple(map(int, line.split())) for line in out.splitlines()][buckets // 10:]  # past the first tenth: warm
+    return (statistics.median((views - version) / 1000 for version, views in arrived),
+            statistics.median((views - returned[version]) / 1000 for version, views in arrived))
 
 
 GLOO = textwrap.dedent("""
@@ -190,14 +212,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", default="build")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--buckets", type=int, default=12, help="256 MiB buckets per throughput round")
+    parser.add_argument("--buckets", type=int, default=40, help="256 MiB buckets per throughput round")
     parser.add_argument("--small-buckets", type=int, default=300, help="1000 x 1 KiB buckets per latency round")
+    parser.add_argument("--what", choices=("all", "throughput", "latency"), default="all",
+                        help="both halves, or only one (the other's figures are left out)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("network_hosts.py makes network namespaces: run it as root")
     tbucket = str(pathlib.Path(args.build, "tools", "tbucket").resolve())
-    rows = {key: [] for key in ("ours_MBps", "perftest_MBps", "gloo_big_us", "ours_lat_us", "perftest_lat_us",
-                                "gloo_small_us")}
+    rows = {key: [] for key in ("ours_MBps", "perftest_MBps", "gloo_big_us", "ours_lat_us", "ours_lat_published_us",
+                                "ours_turns_us", "ours_turns_published_us", "perftest_lat_us", "gloo_small_us")}
     with tempfile.TemporaryDirectory() as tmp:
         token = pathlib.Path(tmp, "token")
         token.write_bytes(os.urandom(24).hex().encode())
@@ -206,25 +230,36 @@ def main():
         try:
             for round_ in range(args.rounds):
                 port = 17100 + round_ * 10
-                rows["perftest_MBps"].append(perftest("tag_bw", BIG, 20, port)["bandwidth_MBps"])
-                rows["ours_MBps"].append(ours_throughput(tbucket, str(token), port + 1, args.buckets))
-                rows["gloo_big_us"].append(gloo_broadcast_us(BIG, 12))
-                rows["perftest_lat_us"].append(
-                    perftest("tag_lat", SMALL_TENSORS * SMALL_BYTES, 200, port + 2)["latency_median_us"])
-                rows["ours_lat_us"].append(ours_latency(tbucket, str(token), port + 3, args.small_buckets))
-                rows["gloo_small_us"].append(gloo_broadcast_us(SMALL_TENSORS * SMALL_BYTES, 200))
-                print(f"round {round_ + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()), flush=True)
+                if args.what in ("all", "throughput"):
+                    rows["perftest_MBps"].append(perftest("tag_bw", BIG, 20, port)["bandwidth_MBps"])
+                    rows["ours_MBps"].append(ours_throughput(tbucket, str(token), port + 1, args.buckets))
+                    rows["gloo_big_us"].append(gloo_broadcast_us(BIG, 12))
+                if args.what in ("all", "latency"):
+                    rows["perftest_lat_us"].append(
+                        perftest("tag_lat", SMALL_TENSORS * SMALL_BYTES, 200, port + 2)["latency_median_us"])
+                    paced = ours_latency(tbucket, str(token), port + 3, args.small_buckets, in_turns=False)
+                    turns = ours_latency(tbucket, str(token), port + 4, args.small_buckets, in_turns=True)
+                    rows["ours_lat_us"].append(paced[0])
+                    rows["ours_lat_published_us"].append(paced[1])
+                    rows["ours_turns_us"].append(turns[0])
+                    rows["ours_turns_published_us"].append(turns[1])
+                    rows["gloo_small_us"].append(gloo_broadcast_us(SMALL_TENSORS * SMALL_BYTES, 200))
+                print(f"round {round_ + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items() if v), flush=True)
         finally:
             remove_hosts()
-    med = {key: statistics.median(values) for key, values in rows.items()}
-    gloo_MBps = BIG / med["gloo_big_us"]
+    med = {key: statistics.median(values) for key, values in rows.items() if values}
     print(f"\nmedians of {args.rounds} rounds (load average {os.getloadavg()[0]:.2f}):")
-    print(f"256 MiB buckets: ours {med['ours_MBps']:.0f} MB/s, ucx_perftest tag_bw {med['perftest_MBps']:.0f} MB/s "
-          f"({med['ours_MBps'] / med['perftest_MBps']:.0%} of it), gloo broadcast {gloo_MBps:.0f} MB/s")
-    print(f"1000 x 1 KiB: ours {med['ours_lat_us']:.0f} us (before publish() -> views on the other host), "
-          f"ucx_perftest tag_lat {med['perftest_lat_us']:.0f} us ({med['ours_lat_us'] / med['perftest_lat_us']:.2f}x), "
-          f"gloo broadcast {med['gloo_small_us']:.0f} us")
-
+    if "ours_MBps" in med:
+        gloo_MBps = BIG / med["gloo_big_us"]
+        print(f"256 MiB buckets: ours {med['ours_MBps']:.0f} MB/s, ucx_perftest tag_bw {med['perftest_MBps']:.0f} MB/s "
+              f"({med['ours_MBps'] / med['perftest_MBps']:.0%} of it), gloo broadcast {gloo_MBps:.0f} MB/s")
+    if "ours_lat_us" in med:
+        ping = med["perftest_lat_us"]
+        print(f"1000 x 1 KiB: ucx_perftest tag_lat {ping:.0f} us one way, gloo broadcast {med['gloo_small_us']:.0f} us; "
+              "ours, publish() called -> views on the other host (publish() returned -> views):")
+        for label, key in (("every 20 ms", "ours_lat"), ("in turns", "ours_turns")):
+            print(f"  {label}: {med[key + '_us']:.0f} us ({med[key + '_us'] / ping:.2f}x) "
+                  f"({med[key + '_published_us']:.0f} us, {med[key + '_published_us'] / ping:.2f}x)")
 
 if __name__ == "__main__":
     main()
