@@ -1,4 +1,6 @@
 // The receiving side: a bucket at a time from a Server, verified before it is handed out.
+#include <algorithm>
+#include <array>
 #include <cstring>
 #include <deque>
 #include <list>
@@ -37,6 +39,7 @@ struct RemoteState {
   std::vector<std::byte> message;
   std::shared_ptr<AlignedBuffer> buffer;  // a payload that came in chunks
   std::shared_ptr<AlignedBuffer> inbox;   // a Bucket message, with its payload when it came whole
+  std::array<std::byte, 64> scratch{};    // where a message refused unread goes; never read
   std::list<PendingAck> acks;
   Worker worker;
   Endpoint endpoint;
@@ -96,7 +99,10 @@ struct RemoteState {
       check_link();
       std::size_t length = 0;
       if (auto* found = probe(worker.get(), tag(kind), kKindMask, &length)) {
-        if (length > limit) lost("a message of " + std::to_string(length) + " bytes where " + std::to_string(limit) + " is the most");
+        if (length > limit) {
+          discard(found);
+          lost("a message of " + std::to_string(length) + " bytes where " + std::to_string(limit) + " is the most");
+        }
         auto receiving = receive(worker.get(), found, room(length));
         wait_for(receiving, Clock::now() + options.idle_timeout);
         last_heard = Clock::now();
@@ -106,6 +112,15 @@ struct RemoteState {
       // Short sleeps (UCX's wake-up event does not fire for every transport), shorter while
       // buckets keep coming: the wait for the next message is a bucket's latency.
       worker.wait(Clock::now() - last_heard < 100ms ? std::chrono::microseconds(100) : std::chrono::microseconds(2000));
+    }
+  }
+
+  // A message taken off the queue that will not be read: received into `scratch`, cut short, so
+  // that UCX lets go of it.
+  void discard(ucp_tag_message_h message) noexcept {
+    try {
+      receive(worker.get(), message, scratch);
+    } catch (const Error&) {
     }
   }
 
@@ -146,8 +161,10 @@ struct RemoteState {
     }
     if (bytes.size() != sizeof challenge) lost("a malformed challenge");
     std::memcpy(&challenge, bytes.data(), sizeof challenge);
-    if (challenge.magic != kMagic || challenge.version != kProtocolVersion) {
-      lost("not a tensorbucket server of protocol version " + std::to_string(kProtocolVersion));
+    if (challenge.magic != kMagic) lost("not a tensorbucket server");
+    if (challenge.version != kProtocolVersion) {
+      lost("a tensorbucket server of protocol version " + std::to_string(challenge.version) + ", not " +
+           std::to_string(kProtocolVersion));
     }
     key = challenge.key;
     ProofMessage proof{kMagic, kProtocolVersion, 0, client_proof(token, challenge.nonce, key), {}};
@@ -198,6 +215,7 @@ struct RemoteState {
                (found = probe(worker.get(), tag(Kind::Payload), kAllBits, &length)) != nullptr) {
           auto chunk = chunk_at(asked);
           if (length != chunk.size()) {
+            discard(found);
             lost("a chunk of " + std::to_string(length) + " bytes where " + std::to_string(chunk.size()) + " were due");
           }
           arriving.push_back(receive(worker.get(), found, chunk));
@@ -218,7 +236,24 @@ struct RemoteState {
         std::this_thread::yield();  // a transfer under way: it moves only in progress calls
       }
     } catch (const Error& e) {
-      if (e.code() == ErrorCode::NetworkError && !broken) lost(e.what());
+      // The link is closed by force, which ends the receives under way: until they have ended
+      // they may write into `payload`, which the caller may give back once this throws.
+      auto until = Clock::now() + kCloseLimit;
+      auto settle = [&] {
+        while (!std::all_of(arriving.begin(), arriving.end(), [](const Request& r) { return r.ended(); }) &&
+               Clock::now() < until) {
+          worker.progress();
+        }
+      };
+      if (e.code() == ErrorCode::NetworkError && !broken) {
+        try {
+          lost(e.what());
+        } catch (const Error&) {
+          settle();
+          throw;
+        }
+      }
+      settle();
       throw;
     }
     return hash.value();
@@ -241,12 +276,15 @@ struct RemoteState {
   std::optional<RemoteBucket> next(Clock::time_point until, const VerifyOptions& verify, const PayloadPlace& place) {
     if (broken) throw Error(ErrorCode::NetworkError, "link to " + address + " is closed: connect again");
     constexpr std::size_t kMaxFrame = sizeof(BucketHeader) + kMaxManifestBytes;
-    constexpr std::size_t kMaxMessage = sizeof(BucketAnnounce) + kMaxFrame + kPayloadAlignment + kChunkBytes;
+    // A payload that comes whole is one chunk at most, and within max_bucket_bytes before any
+    // memory is taken for it.
+    const std::size_t max_message =
+        sizeof(BucketAnnounce) + kMaxFrame + kPayloadAlignment + std::min(kChunkBytes, options.max_bucket_bytes);
     std::span<std::byte> received;  // the Bucket message
     for (;;) {
       acks.remove_if([](PendingAck& pending) { return pending.request.done(); });
       skip_heartbeats();
-      if (take(Kind::Bucket, kMaxMessage, std::min(until, Clock::now() + 50ms),
+      if (take(Kind::Bucket, max_message, std::min(until, Clock::now() + 50ms),
                [&](std::size_t length) { return received = inbox_room(length); })) {
         break;
       }
@@ -260,7 +298,8 @@ struct RemoteState {
     auto frame_end = sizeof announce + std::min<std::uint64_t>(announce.frame_bytes, kMaxFrame);
     bool well_formed =
         announce.ordinal == ordinal + 1 && announce.frame_bytes <= kMaxFrame &&
-        (whole ? announce.whole_offset % kPayloadAlignment == 0 && announce.whole_offset >= frame_end &&
+        (whole ? announce.payload_bytes <= kChunkBytes &&
+                     announce.whole_offset == (frame_end + kPayloadAlignment - 1) / kPayloadAlignment * kPayloadAlignment &&
                      announce.whole_offset <= received.size() && received.size() - announce.whole_offset == announce.payload_bytes
                : frame_end == received.size() && announce.whole_offset == 0 && announce.whole_hash == 0);
     if (!well_formed) lost("a malformed bucket announce");
@@ -345,6 +384,7 @@ struct RemoteState {
 RemoteSubscriber RemoteSubscriber::connect(std::string_view address, const ConnectOptions& options,
                                            std::chrono::milliseconds timeout) {
   if (options.token.empty()) throw Error(ErrorCode::InvalidArgument, "connect needs a token (read_token_file)");
+  timeout = std::min(timeout, std::chrono::milliseconds(std::chrono::hours(24)));
   auto until = detail::Clock::now() + timeout;
   auto where = detail::parse_address(address, false, timeout);
   auto state = std::make_unique<detail::RemoteState>(address, options);

@@ -50,6 +50,7 @@ struct Peer {
   std::vector<std::byte> announce;    // the current bucket's announce and frame, for this peer
   std::vector<Request> bucket_sends;  // the current bucket's messages under way
   bool taking = false;                // takes the current bucket: its chunks and hash follow
+  std::uint64_t posted = 0;           // bytes of the current payload sent to it so far
   std::list<Small> small;             // challenge, welcome, refusal, heartbeats
   std::string problem;                // set: drop it
   Clock::time_point close_by{};       // refused: closed once told, or at this time
@@ -86,9 +87,9 @@ struct ServerState {
   std::vector<ucp_conn_request_h> incoming;  // filled by the listener's callback
   std::list<Peer> peers;                     // a list: peers keep their addresses
   std::optional<ReceivedBucket> current;  // being sent; its lease held until every send is done
-  std::span<const std::byte> hashed;       // its payload, on the host
-  std::span<const std::byte> sent;         // what goes on the wire: the same bytes (but in a test build)
-  std::uint64_t posted = 0;                // of those bytes, hashed and sent
+  std::span<const std::byte> payload;      // its payload, on the host
+  std::span<const std::byte> on_wire;      // what is sent of it: the same bytes (but in a test build)
+  std::uint64_t hashed = 0;                // bytes of it hashed, as the peer furthest along needs them
   std::optional<ChunkedHash> current_hash;
   std::uint64_t current_hash_value = 0;    // sent after the chunks, to each peer
   Clock::time_point current_deadline{};
@@ -252,18 +253,18 @@ struct ServerState {
   bool has_room(const Peer& peer) const { return peer.sent - peer.acked < options.window; }
 
   // Announces `current` to every peer in the game: joined, or joining at an update's start.
-  // A payload of one chunk goes with it; a larger one follows, from next_chunk().
+  // A payload of one chunk goes with it; a larger one follows, from send_chunks().
   void announce_current() {
     auto& bucket = *current;
     const auto& view = bucket.view();
-    auto payload = view.payload();
+    payload = view.payload();
     if (!view.location().on_host()) {
       staged = bucket.copy_to_host();
       payload = std::span<const std::byte>(staged).first(view.payload().size());
     }
     auto frame = view.frame();
-    hashed = sent = payload;
-    posted = 0;
+    on_wire = payload;
+    hashed = 0;
     current_hash.emplace(chunk_count(payload.size(), kChunkBytes));
 #ifdef TENSORBUCKET_WIRE_FAULT
     // Test builds only (tests/meson.build): one payload byte of the bucket whose sequence
@@ -272,7 +273,7 @@ struct ServerState {
                                                            std::to_string(bucket.sequence()) == at) {
       flipped.assign(payload.begin(), payload.end());
       flipped[flipped.size() / 2] ^= std::byte{1};
-      sent = flipped;
+      on_wire = flipped;
     }
 #endif
     BucketAnnounce announce{0, bucket.sequence(), bucket.incarnation(), payload.size(), frame.size(), kChunkBytes, 0, 0};
@@ -281,9 +282,8 @@ struct ServerState {
     if (whole) {
       announce.chunk_bytes = 0;
       announce.whole_offset = (message_bytes + kPayloadAlignment - 1) / kPayloadAlignment * kPayloadAlignment;
-      announce.whole_hash = hash_as_one_chunk(hashed);
+      announce.whole_hash = hash_as_one_chunk(payload);
       message_bytes = announce.whole_offset + payload.size();
-      posted = payload.size();
     }
     bool any = false;
     for (auto& peer : peers) {
@@ -296,11 +296,12 @@ struct ServerState {
       std::memcpy(at + sizeof announce, frame.data(), frame.size());
       if (whole) {
         std::memset(at + sizeof announce + frame.size(), 0, announce.whole_offset - sizeof announce - frame.size());
-        if (!sent.empty()) std::memcpy(at + announce.whole_offset, sent.data(), sent.size());
+        if (!on_wire.empty()) std::memcpy(at + announce.whole_offset, on_wire.data(), on_wire.size());
       }
       try {
         peer.bucket_sends.push_back(send(worker.get(), peer.endpoint.ep, peer.announce, tag(Kind::Bucket)));
         peer.taking = !whole;
+        peer.posted = 0;
       } catch (const Error& e) {
         peer.problem = e.what();
       }
@@ -312,41 +313,38 @@ struct ServerState {
     current_deadline = Clock::now() + options.peer_timeout + allowance;
   }
 
-  // Hashes the current payload's next chunk and sends it to the peers taking it, once each has
-  // room for it (kChunksInFlight); after the last chunk, the hash. Sending a chunk right after
-  // hashing it means the network stack reads it from the cache.
-  void next_chunk() {
-    bool room = true, anyone = false;
-    for (const auto& peer : peers) {
-      if (!peer.live() || !peer.taking) continue;
-      anyone = true;
-      room = room && peer.bucket_sends.size() < kChunksInFlight;
-    }
-    if (!anyone || !room) return;
-    if (posted < sent.size()) {
-      auto size = std::min<std::uint64_t>(kChunkBytes, sent.size() - posted);
-      current_hash->add(hashed.subspan(posted, size));
-      for (auto& peer : peers) {
-        if (!peer.live() || !peer.taking) continue;
-        try {
-          peer.bucket_sends.push_back(send(worker.get(), peer.endpoint.ep, sent.subspan(posted, size), tag(Kind::Payload)));
-        } catch (const Error& e) {
-          peer.problem = e.what();
-        }
-      }
-      posted += size;
-      return;
-    }
-    current_hash_value = current_hash->value();
+  // Sends each peer taking the current bucket its next chunks, kChunksInFlight at most under
+  // way, so that a slow peer holds back only itself; after its last chunk, the hash. A chunk is
+  // hashed when the peer furthest along needs it, just before it goes out: the network stack
+  // then reads it from the cache.
+  void send_chunks() {
     for (auto& peer : peers) {
       if (!peer.live() || !peer.taking) continue;
-      peer.taking = false;
-      try {
-        peer.bucket_sends.push_back(send(worker.get(), peer.endpoint.ep, std::as_bytes(std::span(&current_hash_value, 1)),
-                                         tag(Kind::PayloadHash)));
-      } catch (const Error& e) {
-        peer.problem = e.what();
+      while (peer.posted < on_wire.size() && peer.bucket_sends.size() < kChunksInFlight) {
+        auto size = std::min<std::uint64_t>(kChunkBytes, on_wire.size() - peer.posted);
+        if (peer.posted == hashed) {
+          current_hash->add(payload.subspan(hashed, size));
+          hashed += size;
+          if (hashed == payload.size()) current_hash_value = current_hash->value();
+        }
+        if (!send_or_fail(peer, on_wire.subspan(peer.posted, size), Kind::Payload)) break;
+        peer.posted += size;
       }
+      if (peer.posted == on_wire.size() && peer.bucket_sends.size() < kChunksInFlight) {
+        send_or_fail(peer, std::as_bytes(std::span(&current_hash_value, 1)), Kind::PayloadHash);
+        peer.taking = false;
+      }
+    }
+  }
+
+  bool send_or_fail(Peer& peer, std::span<const std::byte> bytes, Kind kind) {
+    try {
+      peer.bucket_sends.push_back(send(worker.get(), peer.endpoint.ep, bytes, tag(kind)));
+      peer.last_sent = Clock::now();
+      return true;
+    } catch (const Error& e) {
+      peer.problem = e.what();
+      return false;
     }
   }
 
@@ -367,7 +365,7 @@ struct ServerState {
     admit();
     hear();
     for (auto& peer : peers) settle(peer);
-    if (current) next_chunk();
+    if (current) send_chunks();
     heartbeats();
     auto now = Clock::now();
     if (current) {

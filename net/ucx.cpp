@@ -6,8 +6,10 @@
 
 #include <charconv>
 #include <condition_variable>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <system_error>
 #include <cstring>
 #include <thread>
 
@@ -44,6 +46,44 @@ std::shared_ptr<Lookup> resolve(const std::string& host, const std::string& port
   return lookup;
 }
 
+// A name: the resolver may take its time (DNS timeouts and retries), so it runs in a thread of
+// its own, which a caller waits for as long as it likes. A thread given up on finishes alone, and
+// a later caller for the same name waits for that one instead of starting another: a resolver
+// that hangs holds one thread per name, not one per try.
+std::shared_ptr<Lookup> resolve_name(const std::string& host, const std::string& port) {
+  static std::mutex mutex;
+  static std::map<std::string, std::weak_ptr<Lookup>> under_way;
+  std::lock_guard lock(mutex);
+  auto key = host + ":" + port;
+  if (auto lookup = under_way[key].lock()) {
+    std::lock_guard answered(lookup->mutex);
+    if (!lookup->done) return lookup;
+  }
+  auto lookup = std::make_shared<Lookup>();
+  under_way[key] = lookup;
+  try {
+    std::thread([lookup, host, port] {
+      int status = EAI_MEMORY;
+      addrinfo* found = nullptr;
+      try {
+        auto answer = resolve(host, port, false);
+        status = std::exchange(answer->status, EAI_SYSTEM);
+        found = std::exchange(answer->found, nullptr);
+      } catch (...) {  // no memory: reported as such
+      }
+      std::lock_guard answered(lookup->mutex);
+      lookup->status = status;
+      lookup->found = found;
+      lookup->done = true;
+      lookup->answered.notify_all();
+    }).detach();
+  } catch (const std::system_error& e) {
+    under_way.erase(key);
+    throw Error(ErrorCode::NetworkError, "resolving '" + host + "': no thread for the resolver: " + e.what());
+  }
+  return lookup;
+}
+
 }  // namespace
 
 SocketAddress parse_address(std::string_view text, bool numeric_only, std::chrono::milliseconds limit) {
@@ -73,20 +113,10 @@ SocketAddress parse_address(std::string_view text, bool numeric_only, std::chron
   std::string host_text(host), port_text(port);
   auto lookup = resolve(host_text, port_text, true);  // a numeric address: no resolver
   if (lookup->status == EAI_NONAME && !numeric_only) {
-    // A name: the resolver may take its time (DNS timeouts and retries), so it runs in a
-    // thread of its own that this one waits for, `limit` at most. A thread given up on finishes
-    // alone; the lookup it fills is shared.
-    lookup = std::make_shared<Lookup>();
-    std::thread([lookup, host_text, port_text] {
-      auto answer = resolve(host_text, port_text, false);
-      std::lock_guard lock(lookup->mutex);
-      std::swap(lookup->status, answer->status);
-      std::swap(lookup->found, answer->found);
-      lookup->done = true;
-      lookup->answered.notify_all();
-    }).detach();
+    lookup = resolve_name(host_text, port_text);
     std::unique_lock lock(lookup->mutex);
-    if (!lookup->answered.wait_for(lock, limit, [&] { return lookup->done; })) {
+    if (!lookup->answered.wait_for(lock, std::min(limit, std::chrono::milliseconds(std::chrono::hours(24))),
+                                   [&] { return lookup->done; })) {
       throw Error(ErrorCode::NetworkError, "address '" + std::string(text) + "': the resolver gave no answer within " +
                                                std::to_string(limit.count()) + " ms");
     }
@@ -203,6 +233,10 @@ bool Request::done() {
   request_ = nullptr;
   if (status != UCS_OK) fail_ucx(what_, status);
   return true;
+}
+
+bool Request::ended() const noexcept {
+  return request_ == nullptr || ucp_request_check_status(request_) != UCS_INPROGRESS;
 }
 
 void Request::cancel() noexcept {

@@ -63,6 +63,8 @@ class Request {
 
   // True once finished; NetworkError when it finished with an error.
   bool done();
+  // True once finished, well or not; UCX no longer touches its buffer.
+  bool ended() const noexcept;
   void cancel() noexcept;
 
  private:

@@ -197,7 +197,10 @@ int run_relay(const RelayOptions& options) {
         }
       }
     } catch (const Error& e) {
-      republisher.abandon();  // a slot a rejected payload was received into is never published
+      // A slot a rejected payload was received into is never published. The link goes first:
+      // a receive into the slot that UCX had under way ends with it.
+      remote.reset();
+      republisher.abandon();
       if (e.code() == ErrorCode::Unauthorized || e.code() == ErrorCode::InvalidArgument ||
           e.code() == ErrorCode::ChannelMissing) {
         std::fprintf(stderr, "tbucket: %s: %s\n", std::string(to_string(e.code())).c_str(), e.what());

@@ -2,9 +2,10 @@
 // (RemoteSubscriber), over UCX. In the separate library tensorbucket-net, built where UCX is.
 //
 // A Server is an ordinary consumer of a local channel. It serves each bucket it receives to
-// the remote peers that proved they hold the shared token: the frame as one message, the
-// payload as another, sent from the slot itself (UCX moves it by remote memory access where
-// the transport has it, streamed otherwise, and keeps each slot's registration in its cache).
+// the remote peers that proved they hold the shared token: a payload of 1 MiB or less in one
+// message with the frame, a larger one in chunks sent from the slot itself (UCX moves them by
+// remote memory access where the transport has it, streamed otherwise, and keeps each slot's
+// registration in its cache).
 // A RemoteSubscriber receives those buckets into host memory and verifies each one exactly as
 // a local consumer does (docs/format.md rules 1-6), and the payload hash, which the network
 // always carries, before it returns it. `tbucket relay` republishes them into a local channel,
@@ -132,7 +133,9 @@ class RemoteSubscriber {
   // not trusted further. NetworkError when the link is lost; connect again to go on. A bucket
   // begun is received whole, which may take longer than `timeout` (idle_timeout bounds it).
   // With `place`, the payload lands where it says; the bucket's view then points there, and
-  // when next() throws, what it wrote there is not a verified bucket.
+  // when next() throws, what it wrote there is not a verified bucket. next() waits up to 1 s
+  // for the receives under way to end before it throws; only once the RemoteSubscriber is
+  // destroyed is it certain that nothing writes there any more.
   std::optional<RemoteBucket> next(std::chrono::milliseconds timeout, const VerifyOptions& options = {},
                                    const PayloadPlace& place = {});
 

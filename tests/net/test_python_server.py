@@ -216,3 +216,47 @@ def test_a_relay_whose_servers_stall_drops_the_link_and_resumes_at_the_next_upda
     assert all(a < b for a, b in zip(versions, versions[1:])), versions
     assert versions[-1] - versions[0] > 59, "no bucket was skipped while the server was stopped"
     assert (tmp_path / "relay.log").read_text().count("connected to") >= 2  # and connected again
+
+
+def test_a_stalled_relay_holds_back_only_itself(tmp_path, procs):
+    """Two relays take chunked payloads (12 MiB: more chunks than are sent ahead, received
+    straight into a local slot). One's
+    local server stops with its slots full, so that relay stops asking for chunks. The other
+    keeps its link for longer than its idle timeout (no reconnect), and its server gets every
+    bucket in order; the stalled one is dropped after --peer-timeout-ms."""
+    token = make_token(tmp_path / "token")
+    tag = os.getpid()
+    up = f"slup{tag}"
+    address = f"127.0.0.1:{free_port()}"
+    procs.append(subprocess.Popen([TBUCKET, "produce", "--channel", up, "--buckets", "100000", "--tensors", "12",
+                                   "--tensor-bytes", str(1 << 20), "--quiet", "--timeout-ms", "60000",
+                                   "--interval-ms", "20"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+    serve_log = open(tmp_path / "serve.log", "w")
+    procs.append(subprocess.Popen([TBUCKET, "serve", "--channel", up, "--listen", address, "--token-file", str(token),
+                                   "--peer-timeout-ms", "3000"], stdout=serve_log, stderr=subprocess.STDOUT))
+    relay(procs, tmp_path, "steady", address, up, f"slsteady{tag}", token, "--idle-timeout-ms", "2000")
+    relay(procs, tmp_path, "stalled", address, up, f"slstalled{tag}", token, "--timeout-ms", "8000")
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("steady_server", "stalled_server")}
+    stalled = subprocess.Popen([TBUCKET, "consume", "--channel", f"slstalled{tag}", "--buckets", "100000",
+                                "--quiet", "--timeout-ms", "60000"], stdout=logs["stalled_server"],
+                               stderr=subprocess.STDOUT)
+    procs.append(stalled)
+    wait_for(lambda: "connected" in (tmp_path / "stalled.log").read_text(), 30, "the stalled relay to connect")
+    time.sleep(1)
+    stalled.send_signal(signal.SIGSTOP)
+    try:
+        steady = subprocess.Popen([TBUCKET, "consume", "--channel", f"slsteady{tag}", "--buckets", "60", "--verify",
+                                   "--json", "--quiet", "--timeout-ms", "60000"], stdout=logs["steady_server"],
+                                  stderr=subprocess.STDOUT)
+        procs.append(steady)
+        assert steady.wait(timeout=90) == 0, (tmp_path / "steady.log").read_text()
+        wait_for(lambda: "took no bucket within" in (tmp_path / "serve.log").read_text(), 30,
+                 "the stalled relay to be dropped")
+    finally:
+        stalled.send_signal(signal.SIGCONT)
+    lines = [json.loads(line) for line in (tmp_path / "steady_server.log").read_text().splitlines()
+             if line.startswith("{")]
+    assert len(lines) == 60 and all(line["ok"] for line in lines)
+    versions = [line["version"] for line in lines]
+    assert all(a < b for a, b in zip(versions, versions[1:])), versions
+    assert (tmp_path / "steady.log").read_text().count("connected to") == 1, (tmp_path / "steady.log").read_text()
