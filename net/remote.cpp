@@ -236,24 +236,21 @@ struct RemoteState {
         std::this_thread::yield();  // a transfer under way: it moves only in progress calls
       }
     } catch (const Error& e) {
-      // The link is closed by force, which ends the receives under way: until they have ended
-      // they may write into `payload`, which the caller may give back once this throws.
-      auto until = Clock::now() + kCloseLimit;
-      auto settle = [&] {
-        while (!std::all_of(arriving.begin(), arriving.end(), [](const Request& r) { return r.ended(); }) &&
-               Clock::now() < until) {
-          worker.progress();
-        }
-      };
-      if (e.code() == ErrorCode::NetworkError && !broken) {
-        try {
-          lost(e.what());
-        } catch (const Error&) {
-          settle();
-          throw;
-        }
+      // The link goes, by force, which ends the receives under way. Until they have ended they
+      // may write into `payload`, which the caller may give back once this throws.
+      bool lost_here = !broken;
+      if (lost_here) {
+        broken = true;
+        detail::close(worker, endpoint, kCloseLimit);
       }
-      settle();
+      auto until = Clock::now() + kCloseLimit;
+      while (!std::all_of(arriving.begin(), arriving.end(), [](const Request& r) { return r.ended(); }) &&
+             Clock::now() < until) {
+        worker.progress();
+      }
+      if (lost_here && e.code() == ErrorCode::NetworkError) {
+        throw Error(ErrorCode::NetworkError, "link to " + address + ": " + e.what());
+      }
       throw;
     }
     return hash.value();
