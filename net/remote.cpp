@@ -50,7 +50,8 @@ struct RemoteState {
   ManifestCache cache;
   bool broken = false;
 
-  RemoteState(std::string_view where, const ConnectOptions& connect) : address(where), options(connect) {}
+  RemoteState(std::string_view where, const ConnectOptions& connect, const std::string& interface)
+      : address(where), options(connect), worker(interface) {}
   ~RemoteState() { detail::close(worker, endpoint, kCloseLimit); }
 
   [[noreturn]] void lost(const std::string& why) {
@@ -384,7 +385,7 @@ RemoteSubscriber RemoteSubscriber::connect(std::string_view address, const Conne
   timeout = std::min(timeout, std::chrono::milliseconds(std::chrono::hours(24)));
   auto until = detail::Clock::now() + timeout;
   auto where = detail::parse_address(address, false, timeout);
-  auto state = std::make_unique<detail::RemoteState>(address, options);
+  auto state = std::make_unique<detail::RemoteState>(address, options, detail::interface_towards(where));
   detail::connect(state->worker.get(), state->endpoint, where);
   state->handshake(until, options.token);
   return RemoteSubscriber(std::move(state));

@@ -96,7 +96,8 @@ struct ServerState {
   std::uint64_t served = 0;
   std::string address;
 
-  ServerState(Subscriber sub, const ServeOptions& serve) : options(serve), subscriber(std::move(sub)) {}
+  ServerState(Subscriber sub, const ServeOptions& serve, const std::string& interface)
+      : options(serve), subscriber(std::move(sub)), worker(interface) {}
   ~ServerState() {
     for (auto& peer : peers) detail::close(worker, peer.endpoint, kCloseLimit);
     peers.clear();
@@ -432,7 +433,7 @@ Server Server::start(std::string_view channel, const ServeOptions& options, std:
   }
   auto address = detail::parse_address(options.listen, true);
   auto subscriber = Subscriber::attach(channel, attach_timeout, {.follow_restarts = true});
-  auto state = std::make_unique<detail::ServerState>(std::move(subscriber), options);
+  auto state = std::make_unique<detail::ServerState>(std::move(subscriber), options, detail::interface_holding(address));
   ucp_listener_params_t params{};
   params.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
   params.sockaddr.addr = address.get();

@@ -1,10 +1,13 @@
 #include "ucx.hpp"
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <unistd.h>
 #include <netdb.h>
 #include <poll.h>
 
 #include <charconv>
+#include <cstdlib>
 #include <condition_variable>
 #include <map>
 #include <memory>
@@ -150,9 +153,66 @@ std::string to_string(const sockaddr_storage& address) {
   return "[" + std::string(host) + "]:" + std::to_string(port);
 }
 
-Worker::Worker() {
+namespace {
+
+bool same_host_address(const sockaddr* a, const sockaddr* b) {
+  if (a->sa_family != b->sa_family) return false;
+  if (a->sa_family == AF_INET) {
+    return reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr == reinterpret_cast<const sockaddr_in*>(b)->sin_addr.s_addr;
+  }
+  if (a->sa_family == AF_INET6) {
+    return std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr, &reinterpret_cast<const sockaddr_in6*>(b)->sin6_addr,
+                       sizeof(in6_addr)) == 0;
+  }
+  return false;
+}
+
+bool wildcard(const sockaddr* address) {
+  if (address->sa_family == AF_INET) return reinterpret_cast<const sockaddr_in*>(address)->sin_addr.s_addr == INADDR_ANY;
+  if (address->sa_family == AF_INET6) {
+    return IN6_IS_ADDR_UNSPECIFIED(&reinterpret_cast<const sockaddr_in6*>(address)->sin6_addr);
+  }
+  return false;
+}
+
+std::string interface_of(const sockaddr* address) {
+  if (wildcard(address)) return {};
+  ifaddrs* all = nullptr;
+  if (::getifaddrs(&all) != 0) return {};
+  std::string name;
+  for (auto* at = all; at != nullptr && name.empty(); at = at->ifa_next) {
+    if (at->ifa_addr != nullptr && same_host_address(at->ifa_addr, address)) name = at->ifa_name;
+  }
+  ::freeifaddrs(all);
+  return name;
+}
+
+}  // namespace
+
+std::string interface_holding(const SocketAddress& address) { return interface_of(address.get()); }
+
+std::string interface_towards(const SocketAddress& peer) {
+  // A datagram socket "connected" to the peer sends nothing, but the kernel picks the route and
+  // the local address it would use.
+  int fd = ::socket(peer.storage.ss_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return {};
+  sockaddr_storage local{};
+  socklen_t length = sizeof local;
+  bool found = ::connect(fd, peer.get(), peer.length) == 0 &&
+               ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0;
+  ::close(fd);
+  return found ? interface_of(reinterpret_cast<const sockaddr*>(&local)) : std::string();
+}
+
+Worker::Worker(const std::string& interface) {
   ucp_config_t* config = nullptr;
   if (auto status = ucp_config_read(nullptr, nullptr, &config); status != UCS_OK) fail_ucx("ucp_config_read", status);
+  if (!interface.empty() && std::getenv("UCX_NET_DEVICES") == nullptr) {
+    if (auto status = ucp_config_modify(config, "NET_DEVICES", interface.c_str()); status != UCS_OK) {
+      ucp_config_release(config);
+      fail_ucx("holding UCX to interface " + interface, status);
+    }
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;

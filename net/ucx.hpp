@@ -31,9 +31,18 @@ SocketAddress parse_address(std::string_view text, bool numeric_only,
                             std::chrono::milliseconds limit = std::chrono::seconds(5));
 std::string to_string(const sockaddr_storage& address);
 
+// The network interface UCX may use for a link: the one that holds `address`, an address of
+// this host (a listener's); "" for a wildcard address (every interface).
+std::string interface_holding(const SocketAddress& address);
+// The same for the interface this host reaches `peer` through (a connecting side's).
+std::string interface_towards(const SocketAddress& peer);
+
 class Worker {
  public:
-  Worker();
+  // UCX opens listening sockets of its own for its TCP transport, by default on every network
+  // interface, and speaks its own protocol there before our handshake. `interface` holds it to
+  // that one, unless UCX_NET_DEVICES says otherwise.
+  explicit Worker(const std::string& interface = {});
   ~Worker();
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;

@@ -261,6 +261,26 @@ def test_same_host_through_shared_memory_transports(tmp_path, payload):
             proc.wait(timeout=15)
 
 
+def listening_addresses(pid):
+    """The IPv4 addresses process `pid` listens on with TCP (from /proc: no tool needed)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    addresses = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, state, inode = fields[1], fields[3], fields[9]
+        if state == "0A" and inode in inodes:  # LISTEN
+            address = bytes.fromhex(local.split(":")[0])[::-1]
+            addresses.add(".".join(str(b) for b in address))
+    return addresses
+
+
 def test_connections_that_never_prove_the_token_are_capped_and_refused(tmp_path):
     """Nine links that never send a proof: the server challenges eight, turns the ninth away,
     refuses the eight after 3 s, and a genuine relay that came meanwhile gets in after them."""
@@ -286,6 +306,10 @@ def test_connections_that_never_prove_the_token_are_capped_and_refused(tmp_path)
                          "--quiet", "--timeout-ms", "60000"))
         out, _ = silent.communicate(timeout=60)
         assert out.split() == ["challenged", "8", "refused", "8", "cut", "9"], out
+        # UCX's own listening sockets (its TCP transport's) are held to the listen address's
+        # interface too, not opened on every interface.
+        assert listening_addresses(procs[1].pid) == {"127.0.0.1"}
+        assert listening_addresses(procs[2].pid) <= {"127.0.0.1"}  # the relay's, towards the server
         assert "no proof of the token within 3 s" in (tmp_path / "serve.log").read_text()
         assert procs[-1].wait(timeout=60) == 0, (tmp_path / "relay.log").read_text()
         lines = [json.loads(line) for line in (tmp_path / "server.log").read_text().splitlines()
