@@ -236,7 +236,7 @@ struct RemoteState {
         worker.progress();
         std::this_thread::yield();  // a transfer under way: it moves only in progress calls
       }
-    } catch (const Error& e) {
+    } catch (...) {
       // The link goes, by force, which ends the receives under way. Until they have ended they
       // may write into `payload`, which the caller may give back once this throws.
       bool lost_here = !broken;
@@ -249,10 +249,14 @@ struct RemoteState {
              Clock::now() < until) {
         worker.progress();
       }
-      if (lost_here && e.code() == ErrorCode::NetworkError) {
-        throw Error(ErrorCode::NetworkError, "link to " + address + ": " + e.what());
+      try {
+        throw;
+      } catch (const Error& e) {
+        if (lost_here && e.code() == ErrorCode::NetworkError) {
+          throw Error(ErrorCode::NetworkError, "link to " + address + ": " + e.what());
+        }
+        throw;
       }
-      throw;
     }
     return hash.value();
   }

@@ -13,7 +13,9 @@
 #include <memory>
 #include <mutex>
 #include <system_error>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 
 #include "tensorbucket/error.hpp"
@@ -204,13 +206,50 @@ std::string interface_towards(const SocketAddress& peer) {
   return found ? interface_of(reinterpret_cast<const sockaddr*>(&local)) : std::string();
 }
 
+namespace {
+
+// NET_DEVICES as the configuration has it (the environment, or a ucx.conf).
+std::string configured_net_devices(const ucp_config_t* config) {
+  char* text = nullptr;
+  std::size_t size = 0;
+  FILE* out = ::open_memstream(&text, &size);
+  if (out == nullptr) return {};
+  ucp_config_print(config, out, nullptr, UCS_CONFIG_PRINT_CONFIG);
+  std::fclose(out);
+  std::string printed(text, size);
+  std::free(text);
+  constexpr std::string_view kKey = "UCX_NET_DEVICES=";
+  auto at = printed.find(kKey);
+  if (at == std::string::npos) return {};
+  at += kKey.size();
+  return printed.substr(at, printed.find('\n', at) - at);
+}
+
+// Every RDMA port of this host ("mlx5_0:1"): UCX counts them among its network devices too,
+// and they open no listening socket.
+std::string rdma_ports() {
+  std::string ports;
+  std::error_code error;
+  for (const auto& device : std::filesystem::directory_iterator("/sys/class/infiniband", error)) {
+    std::error_code inner;
+    for (const auto& port : std::filesystem::directory_iterator(device.path() / "ports", inner)) {
+      ports += "," + device.path().filename().string() + ":" + port.path().filename().string();
+    }
+  }
+  return ports;
+}
+
+}  // namespace
+
 Worker::Worker(const std::string& interface) {
   ucp_config_t* config = nullptr;
   if (auto status = ucp_config_read(nullptr, nullptr, &config); status != UCS_OK) fail_ucx("ucp_config_read", status);
-  if (!interface.empty() && std::getenv("UCX_NET_DEVICES") == nullptr) {
-    if (auto status = ucp_config_modify(config, "NET_DEVICES", interface.c_str()); status != UCS_OK) {
+  // Unless the user named the devices: in the environment (even "all"), or in a ucx.conf.
+  if (!interface.empty() && std::getenv("UCX_NET_DEVICES") == nullptr && configured_net_devices(config) == "all") {
+    auto devices = interface + rdma_ports();
+    if (auto status = ucp_config_modify(config, "NET_DEVICES", devices.c_str()); status != UCS_OK) {
       ucp_config_release(config);
-      fail_ucx("holding UCX to interface " + interface, status);
+      fail_ucx("holding UCX to " + devices, status);
     }
   }
   ucp_params_t params{};

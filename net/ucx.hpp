@@ -40,8 +40,9 @@ std::string interface_towards(const SocketAddress& peer);
 class Worker {
  public:
   // UCX opens listening sockets of its own for its TCP transport, by default on every network
-  // interface, and speaks its own protocol there before our handshake. `interface` holds it to
-  // that one, unless UCX_NET_DEVICES says otherwise.
+  // interface, and speaks its own protocol there before our handshake. `interface` holds its
+  // network devices to that one and the host's RDMA ports, unless its configuration (the
+  // environment or a ucx.conf) names the devices itself.
   explicit Worker(const std::string& interface = {});
   ~Worker();
   Worker(const Worker&) = delete;
