@@ -6,7 +6,6 @@
 #include <list>
 #include <memory>
 #include <optional>
-#include <thread>
 #include <vector>
 
 #include "tensorbucket/channel.hpp"
@@ -380,8 +379,7 @@ struct ServerState {
       }
       drop_failed();
       if (!done) {
-        // The transfer goes on only in this thread's progress calls: they run back to back.
-        std::this_thread::yield();
+        worker.wait_for_transfer();
         return;
       }
       current.reset();  // every send is done: the slot's bytes are no longer read

@@ -10,7 +10,8 @@ run:
 - throughput of 256 MiB buckets: a Python trainer in host a publishes one 256 MiB tensor again
   and again; `tbucket serve` sends it to `tbucket relay` in host b, which republishes it to a
   consumer there. The relay's rate line counts from the first bucket's arrival to the last one's
-  publish; 40 buckets, so that the first ones, which fault in fresh slots, weigh little. Beside it, `ucx_perftest -t tag_bw -s 256MiB` between the same hosts: the limit.
+  publish; 40 buckets, so that the first ones, which fault in fresh slots, weigh little. Beside it, `ucx_perftest -t tag_bw -s 256MiB` between the same hosts: the limit. Also the CPU time serve
+  and relay took per bucket (user and system, read from /proc while they run).
 - latency of buckets of 1000 x 1 KiB tensors: a Python trainer in host a publishes them, a
   Python server in host b takes each from the relay's channel. Two paces: one bucket every
   20 ms (the machine idles between them), and in turns (the next once the server had the last,
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 A, B = "tbbench-a", "tbbench-b"
@@ -95,7 +97,34 @@ TRAINER = textwrap.dedent("""
 """ % BIG)
 
 
+class CpuTime:
+    """The CPU seconds (user and system) processes have taken, read from /proc every 50 ms
+    until stop(): the last reading of a process that ended on its own stands."""
+
+    def __init__(self, processes):
+        self.processes, self.seconds = processes, {}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.watch)
+        self.thread.start()
+
+    def watch(self):
+        while not self.done.wait(0.05):
+            for name, process in self.processes.items():
+                try:
+                    fields = pathlib.Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if fields[0] != "Z":  # a zombie's times are gone
+                    self.seconds[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self):
+        self.done.set()
+        self.thread.join()
+        return self.seconds
+
+
 def ours_throughput(tbucket, token, port, buckets):
+    """MB/s from the relay's rate line, and serve's and relay's CPU ms per bucket."""
     up, down = f"bench-up-{port}", f"bench-down-{port}"
     consumer = in_host(B, tbucket, "consume", "--channel", down, "--buckets", str(buckets), "--quiet",
                        "--timeout-ms", "120000", stdout=subprocess.DEVNULL)
@@ -105,11 +134,13 @@ def ours_throughput(tbucket, token, port, buckets):
     time.sleep(2)  # the trainer's channel, before serve attaches
     serve = in_host(A, tbucket, "serve", "--channel", up, "--listen", f"{ADDR_A}:{port}", "--token-file", token,
                     stderr=subprocess.DEVNULL)
+    cpu = CpuTime({"serve": serve, "relay": relay})
     try:
         out, _ = relay.communicate(timeout=600)
         consumer.wait(timeout=60)
         trainer.wait(timeout=60)
     finally:
+        cpu_seconds = cpu.stop()
         for proc in (serve, relay, trainer, consumer):
             if proc.poll() is None:
                 proc.kill()
@@ -117,7 +148,8 @@ def ours_throughput(tbucket, token, port, buckets):
     rate = re.search(r"([0-9.]+) MiB/s", out)
     if not rate:
         sys.exit(f"the relay printed no rate:\n{out}")
-    return float(rate.group(1)) * (1 << 20) / 1e6  # MB/s, as ucx_perftest counts
+    cpu_ms = {name: seconds * 1000 / buckets for name, seconds in cpu_seconds.items()}
+    return float(rate.group(1)) * (1 << 20) / 1e6, cpu_ms["serve"], cpu_ms["relay"]  # MB/s, as ucx_perftest counts
 
 
 # The trainer's version is CLOCK_MONOTONIC just before publish() (the hosts share the machine's
@@ -220,7 +252,7 @@ def main():
     if os.geteuid() != 0:
         sys.exit("network_hosts.py makes network namespaces: run it as root")
     tbucket = str(pathlib.Path(args.build, "tools", "tbucket").resolve())
-    rows = {key: [] for key in ("ours_MBps", "perftest_MBps", "gloo_big_us", "ours_lat_us", "ours_lat_published_us",
+    rows = {key: [] for key in ("ours_MBps", "serve_cpu_ms", "relay_cpu_ms", "perftest_MBps", "gloo_big_us", "ours_lat_us", "ours_lat_published_us",
                                 "ours_turns_us", "ours_turns_published_us", "perftest_lat_us", "gloo_small_us")}
     with tempfile.TemporaryDirectory() as tmp:
         token = pathlib.Path(tmp, "token")
@@ -232,7 +264,9 @@ def main():
                 port = 17100 + round_ * 10
                 if args.what in ("all", "throughput"):
                     rows["perftest_MBps"].append(perftest("tag_bw", BIG, 20, port)["bandwidth_MBps"])
-                    rows["ours_MBps"].append(ours_throughput(tbucket, str(token), port + 1, args.buckets))
+                    for key, value in zip(("ours_MBps", "serve_cpu_ms", "relay_cpu_ms"),
+                                          ours_throughput(tbucket, str(token), port + 1, args.buckets)):
+                        rows[key].append(value)
                     rows["gloo_big_us"].append(gloo_broadcast_us(BIG, 12))
                 if args.what in ("all", "latency"):
                     rows["perftest_lat_us"].append(
@@ -253,6 +287,7 @@ def main():
         gloo_MBps = BIG / med["gloo_big_us"]
         print(f"256 MiB buckets: ours {med['ours_MBps']:.0f} MB/s, ucx_perftest tag_bw {med['perftest_MBps']:.0f} MB/s "
               f"({med['ours_MBps'] / med['perftest_MBps']:.0%} of it), gloo broadcast {gloo_MBps:.0f} MB/s")
+        print(f"  CPU per bucket: serve {med['serve_cpu_ms']:.0f} ms, relay {med['relay_cpu_ms']:.0f} ms")
     if "ours_lat_us" in med:
         ping = med["perftest_lat_us"]
         print(f"1000 x 1 KiB: ucx_perftest tag_lat {ping:.0f} us one way, gloo broadcast {med['gloo_small_us']:.0f} us; "
