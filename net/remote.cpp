@@ -304,6 +304,11 @@ struct RemoteState {
                      announce.whole_offset <= received.size() && received.size() - announce.whole_offset == announce.payload_bytes
                : frame_end == received.size() && announce.whole_offset == 0 && announce.whole_hash == 0);
     if (!well_formed) lost("a malformed bucket announce");
+    if (whole && std::any_of(received.begin() + static_cast<std::ptrdiff_t>(frame_end),
+                             received.begin() + static_cast<std::ptrdiff_t>(announce.whole_offset),
+                             [](std::byte b) { return b != std::byte{0}; })) {
+      lost("a bucket message whose padding before its payload is not zero");
+    }
     if (announce.payload_bytes > options.max_bucket_bytes) {
       lost("a payload of " + std::to_string(announce.payload_bytes) + " bytes, past max_bucket_bytes " +
            std::to_string(options.max_bucket_bytes));

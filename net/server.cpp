@@ -271,9 +271,13 @@ struct ServerState {
     current_hash.emplace(chunk_count(payload.size(), kChunkBytes));
 #ifdef TENSORBUCKET_WIRE_FAULT
     // Test builds only (tests/meson.build): one payload byte of the bucket whose sequence
-    // TBUCKET_WIRE_FAULT names flips on the wire, after the server hashed it.
-    if (const char* at = std::getenv("TBUCKET_WIRE_FAULT"); at != nullptr && !payload.empty() &&
-                                                           std::to_string(bucket.sequence()) == at) {
+    // TBUCKET_WIRE_FAULT names flips on the wire, after the server hashed it; with
+    // "padding:" before the sequence, a byte between the frame and a whole payload is set.
+    std::string_view fault = std::getenv("TBUCKET_WIRE_FAULT") ? std::getenv("TBUCKET_WIRE_FAULT") : "";
+    bool bad_padding = fault.starts_with("padding:");
+    if (bad_padding) fault.remove_prefix(std::string_view("padding:").size());
+    bool faulty = fault == std::to_string(bucket.sequence());
+    if (faulty && !bad_padding && !payload.empty()) {
       flipped.assign(payload.begin(), payload.end());
       flipped[flipped.size() / 2] ^= std::byte{1};
       on_wire = flipped;
@@ -300,6 +304,11 @@ struct ServerState {
       if (whole) {
         std::memset(at + sizeof announce + frame.size(), 0, announce.whole_offset - sizeof announce - frame.size());
         if (!on_wire.empty()) std::memcpy(at + announce.whole_offset, on_wire.data(), on_wire.size());
+#ifdef TENSORBUCKET_WIRE_FAULT
+        if (faulty && bad_padding && announce.whole_offset > sizeof announce + frame.size()) {
+          at[announce.whole_offset - 1] = std::byte{1};
+        }
+#endif
       }
       try {
         peer.bucket_sends.push_back(send(worker.get(), peer.endpoint.ep, peer.announce, tag(Kind::Bucket)));

@@ -209,10 +209,18 @@ def test_killed_relay_serve_and_link_resume_without_torn_or_stale_buckets(hosts)
 PAYLOADS = {"whole": ("4", "65536"), "chunks": ("3", "1048576"), "chunks_in_place": ("5", "1048576")}
 
 
+# A payload byte flipped after the server hashed it, and a padding byte between the frame and a
+# whole payload set (not covered by the hash): each bucket is refused.
+WIRE_FAULTS = {"payload_whole": ("whole", "", "ChecksumMismatch"),
+               "payload_chunks_in_place": ("chunks_in_place", "", "ChecksumMismatch"),
+               "padding": ("whole", "padding:", "padding before its payload is not zero")}
+
+
 @needs_root
-@pytest.mark.parametrize("payload", ["whole", "chunks_in_place"])
-def test_a_byte_corrupted_on_the_wire_is_caught_by_the_payload_hash(hosts, payload):
+@pytest.mark.parametrize("fault", WIRE_FAULTS)
+def test_a_byte_corrupted_on_the_wire_is_caught(hosts, fault):
     h, count, port, bad = hosts, 60, 17004, 20
+    payload, prefix, caught = WIRE_FAULTS[fault]
     tensors, tensor_bytes = PAYLOADS[payload]
     up, down = f"up{h.suffix}", f"down{h.suffix}"
     server = h.start(h.b, "server", "consume", "--channel", down, "--verify", "--json", "--quiet", "--timeout-ms",
@@ -222,11 +230,11 @@ def test_a_byte_corrupted_on_the_wire_is_caught_by_the_payload_hash(hosts, paylo
     h.start(h.a, "trainer", "produce", "--channel", up, "--buckets", str(count), "--tensors", tensors,
             "--tensor-bytes", tensor_bytes, "--quiet", "--timeout-ms", "30000")
     h.start(h.a, "serve", "serve", "--channel", up, "--listen", f"{h.addr_a}:{port}", "--token-file", str(h.token),
-            program=os.environ["TBUCKET_WIRE_FAULT_BUILD"], env={"TBUCKET_WIRE_FAULT": str(bad)})
+            program=os.environ["TBUCKET_WIRE_FAULT_BUILD"], env={"TBUCKET_WIRE_FAULT": f"{prefix}{bad}"})
     wait_for(lambda: buckets(h, "server")[-1:] == [count - 1], 60, "the last bucket")
     versions = buckets(h, "server")
     assert bad not in versions and bad - 1 in versions, versions
-    assert "ChecksumMismatch" in h.text("relay"), h.text("relay")
+    assert caught in h.text("relay"), h.text("relay")
     server.send_signal(signal.SIGTERM)
 
 
