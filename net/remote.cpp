@@ -233,7 +233,8 @@ struct RemoteState {
         }
         check_link();
         if (Clock::now() > due) lost("no payload chunk within " + std::to_string(options.idle_timeout.count()) + " ms");
-        worker.wait_for_transfer();
+        worker.progress();
+        std::this_thread::yield();  // a transfer under way: it moves only in progress calls
       }
     } catch (...) {
       // The link goes, by force, which ends the receives under way. Until they have ended they

@@ -27,7 +27,6 @@ constexpr auto kHeartbeatEvery = 500ms;  // to an idle peer, so that it can tell
 constexpr auto kCloseLimit = 1s;
 constexpr auto kRefusalGrace = 1s;       // for a refusal to reach its peer before the link closes
 constexpr auto kLocalSlice = 1ms;        // a wait on the local channel, between network looks
-constexpr auto kBusyTransfer = 3ms;      // a bucket's transfer runs on progress calls back to back
 constexpr double kSlowestBytesPerMs = 10e3;  // a bucket's payload may take its size at 10 MB/s
 constexpr int kMessagesPerTurn = 64;
 
@@ -94,7 +93,6 @@ struct ServerState {
   std::optional<ChunkedHash> current_hash;
   std::uint64_t current_hash_value = 0;    // sent after the chunks, to each peer
   Clock::time_point current_deadline{};
-  Clock::time_point current_sent{};
   std::uint64_t served = 0;
   std::string address;
 
@@ -322,8 +320,7 @@ struct ServerState {
     }
     served += any ? 1 : 0;
     auto allowance = std::chrono::milliseconds(static_cast<std::int64_t>(payload.size() / kSlowestBytesPerMs));
-    current_sent = Clock::now();
-    current_deadline = current_sent + options.peer_timeout + allowance;
+    current_deadline = Clock::now() + options.peer_timeout + allowance;
   }
 
   // Sends each peer taking the current bucket its next chunks, kChunksInFlight at most under
@@ -392,15 +389,9 @@ struct ServerState {
       }
       drop_failed();
       if (!done) {
-        // A small bucket's transfer is over within kBusyTransfer, on progress calls back to
-        // back. Sleeping on the wake-up event between them made a 1 MiB one between two hosts
-        // over TCP take 1.0-1.4 ms instead of 0.6-0.8 (bench/RESULTS.md).
-        if (now - current_sent < kBusyTransfer) {
-          worker.progress();
-          std::this_thread::yield();
-        } else {
-          worker.wait_for_transfer();
-        }
+        // The transfer goes on only in this thread's progress calls: they run back to back
+        // (a sleep on the wake-up event between them: bench/RESULTS.md, issue 22).
+        std::this_thread::yield();
         return;
       }
       current.reset();  // every send is done: the slot's bytes are no longer read

@@ -53,14 +53,6 @@ class Worker {
   // Sleeps until the network has something for this worker, `limit` at most. UCX's wake-up
   // event does not fire for every transport (not for shared memory): callers keep it short.
   void wait(std::chrono::microseconds limit);
-  // Between turns of a loop with a long transfer under way. The transfer moves only in progress
-  // calls, but calling them back to back kept a core busy doing nothing (a quarter of serve's
-  // and relay's CPU time per 256 MiB bucket) and took it from the kernel's socket copies they
-  // waited for. A sleep on the wake-up event costs neither, but it ends after kTransferWait at
-  // most: the event may not fire (over shared memory). It also delays a short transfer's end
-  // (server.cpp, kBusyTransfer).
-  void wait_for_transfer() { wait(kTransferWait); }
-  static constexpr std::chrono::microseconds kTransferWait{200};
 
  private:
   ucp_context_h context_ = nullptr;
