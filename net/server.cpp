@@ -389,8 +389,8 @@ struct ServerState {
       }
       drop_failed();
       if (!done) {
-        // The transfer goes on only in this thread's progress calls: they run back to back
-        // (a sleep on the wake-up event between them: bench/RESULTS.md, issue 22).
+        // The transfer goes on only in this thread's progress calls: they run back to back. A
+        // sleep on the wake-up event between them slowed small transfers (docs/network.md).
         std::this_thread::yield();
         return;
       }

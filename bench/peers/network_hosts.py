@@ -10,8 +10,9 @@ run:
 - throughput of 256 MiB buckets: a Python trainer in host a publishes one 256 MiB tensor again
   and again; `tbucket serve` sends it to `tbucket relay` in host b, which republishes it to a
   consumer there. The relay's rate line counts from the first bucket's arrival to the last one's
-  publish; 40 buckets, so that the first ones, which fault in fresh slots, weigh little. Beside it, `ucx_perftest -t tag_bw -s 256MiB` between the same hosts: the limit. Also the CPU time serve
-  and relay took per bucket (user and system, read from /proc while they run).
+  publish; 40 buckets, so that the first ones, which fault in fresh slots, weigh little. Also
+  the CPU time serve and relay took per bucket (user and system, read from /proc while they
+  run). Beside it, `ucx_perftest -t tag_bw -s 256MiB` between the same hosts: the limit.
 - latency of buckets of 1000 x 1 KiB tensors: a Python trainer in host a publishes them, a
   Python server in host b takes each from the relay's channel. Two paces: one bucket every
   20 ms (the machine idles between them), and in turns (the next once the server had the last,
@@ -252,8 +253,9 @@ def main():
     if os.geteuid() != 0:
         sys.exit("network_hosts.py makes network namespaces: run it as root")
     tbucket = str(pathlib.Path(args.build, "tools", "tbucket").resolve())
-    rows = {key: [] for key in ("ours_MBps", "serve_cpu_ms", "relay_cpu_ms", "perftest_MBps", "gloo_big_us", "ours_lat_us", "ours_lat_published_us",
-                                "ours_turns_us", "ours_turns_published_us", "perftest_lat_us", "gloo_small_us")}
+    rows = {key: [] for key in ("ours_MBps", "serve_cpu_ms", "relay_cpu_ms", "perftest_MBps", "gloo_big_us",
+                                "ours_lat_us", "ours_lat_published_us", "ours_turns_us", "ours_turns_published_us",
+                                "perftest_lat_us", "gloo_small_us")}
     with tempfile.TemporaryDirectory() as tmp:
         token = pathlib.Path(tmp, "token")
         token.write_bytes(os.urandom(24).hex().encode())
