@@ -287,9 +287,10 @@ Worker::~Worker() {
   ucp_cleanup(context_);
 }
 
-void Worker::progress() noexcept {
-  while (ucp_worker_progress(worker_) != 0) {
-  }
+bool Worker::progress() noexcept {
+  bool any = false;
+  while (ucp_worker_progress(worker_) != 0) any = true;
+  return any;
 }
 
 void Worker::wait(std::chrono::microseconds limit) {

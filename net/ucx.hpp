@@ -49,7 +49,8 @@ class Worker {
   Worker& operator=(const Worker&) = delete;
 
   ucp_worker_h get() const noexcept { return worker_; }
-  void progress() noexcept;
+  // Runs UCX's progress until it has nothing more to do; true when it did something.
+  bool progress() noexcept;
   // Sleeps until the network has something for this worker, `limit` at most. UCX's wake-up
   // event does not fire for every transport (not for shared memory): callers keep it short.
   void wait(std::chrono::microseconds limit);
