@@ -68,7 +68,10 @@ class Hosts:
         return proc
 
     def lines(self, name):
-        return (self.dir / f"{name}.out").read_text().splitlines()
+        """The complete lines of a process's stdout so far: it flushes in blocks, so the last
+        one may still be half written, and is left out."""
+        text = (self.dir / f"{name}.out").read_text()
+        return text[:text.rfind("\n") + 1].splitlines()
 
     def text(self, name):
         return (self.dir / f"{name}.err").read_text()
