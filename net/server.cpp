@@ -273,7 +273,8 @@ struct ServerState {
     // Test builds only (tests/meson.build): one payload byte of the bucket whose sequence
     // TBUCKET_WIRE_FAULT names flips on the wire, after the server hashed it; with
     // "padding:" before the sequence, a byte between the frame and a whole payload is set.
-    std::string_view fault = std::getenv("TBUCKET_WIRE_FAULT") ? std::getenv("TBUCKET_WIRE_FAULT") : "";
+    const char* asked = std::getenv("TBUCKET_WIRE_FAULT");
+    std::string_view fault = asked != nullptr ? asked : "";
     bool bad_padding = fault.starts_with("padding:");
     if (bad_padding) fault.remove_prefix(std::string_view("padding:").size());
     bool faulty = fault == std::to_string(bucket.sequence());

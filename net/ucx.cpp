@@ -7,15 +7,15 @@
 #include <poll.h>
 
 #include <charconv>
-#include <cstdlib>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <system_error>
-#include <cstdio>
-#include <cstring>
-#include <filesystem>
 #include <thread>
 
 #include "tensorbucket/error.hpp"
@@ -208,7 +208,8 @@ std::string interface_towards(const SocketAddress& peer) {
 
 namespace {
 
-// NET_DEVICES as the configuration has it (the environment, or a ucx.conf).
+// NET_DEVICES as the configuration has it (the environment, or a ucx.conf); empty when UCX's
+// printout of it cannot be read.
 std::string configured_net_devices(const ucp_config_t* config) {
   char* text = nullptr;
   std::size_t size = 0;
@@ -244,8 +245,14 @@ std::string rdma_ports() {
 Worker::Worker(const std::string& interface) {
   ucp_config_t* config = nullptr;
   if (auto status = ucp_config_read(nullptr, nullptr, &config); status != UCS_OK) fail_ucx("ucp_config_read", status);
-  // Unless the user named the devices: in the environment (even "all"), or in a ucx.conf.
-  if (!interface.empty() && std::getenv("UCX_NET_DEVICES") == nullptr && configured_net_devices(config) == "all") {
+  // Unless the user named the devices: in the environment (even "all"), or in a ucx.conf. A
+  // configuration that cannot be read is held too: the hold guards the host.
+  bool user_named = std::getenv("UCX_NET_DEVICES") != nullptr;
+  if (!interface.empty() && !user_named) {
+    auto configured = configured_net_devices(config);
+    user_named = !configured.empty() && configured != "all";
+  }
+  if (!interface.empty() && !user_named) {
     auto devices = interface + rdma_ports();
     if (auto status = ucp_config_modify(config, "NET_DEVICES", devices.c_str()); status != UCS_OK) {
       ucp_config_release(config);
