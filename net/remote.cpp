@@ -5,7 +5,6 @@
 #include <deque>
 #include <list>
 #include <new>
-#include <thread>
 #include <vector>
 
 #include "tensorbucket/error.hpp"
@@ -126,12 +125,12 @@ struct RemoteState {
   }
 
   void wait_for(Request& request, Clock::time_point until) {
+    Pace pace(worker);
     try {
       while (!request.done()) {
         check_link();
         if (Clock::now() > until) lost("a transfer stalled");
-        worker.progress();
-        std::this_thread::yield();
+        pace.step();
       }
     } catch (const Error& e) {
       if (e.code() == ErrorCode::NetworkError && !broken) lost(e.what());
@@ -208,6 +207,7 @@ struct RemoteState {
     std::deque<Request> arriving;  // the chunks asked for, in order
     std::uint64_t asked = 0, hashed = 0;
     auto due = Clock::now() + options.idle_timeout + allowance;
+    Pace pace(worker);
     try {
       while (hashed < payload.size()) {
         std::size_t length = 0;
@@ -233,8 +233,7 @@ struct RemoteState {
         }
         check_link();
         if (Clock::now() > due) lost("no payload chunk within " + std::to_string(options.idle_timeout.count()) + " ms");
-        worker.progress();
-        std::this_thread::yield();  // a transfer under way: it moves only in progress calls
+        pace.step();
       }
     } catch (...) {
       // The link goes, by force, which ends the receives under way. Until they have ended they

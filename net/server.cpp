@@ -6,7 +6,6 @@
 #include <list>
 #include <memory>
 #include <optional>
-#include <thread>
 #include <vector>
 
 #include "tensorbucket/channel.hpp"
@@ -27,7 +26,6 @@ constexpr auto kHeartbeatEvery = 500ms;  // to an idle peer, so that it can tell
 constexpr auto kCloseLimit = 1s;
 constexpr auto kRefusalGrace = 1s;       // for a refusal to reach its peer before the link closes
 constexpr auto kLocalSlice = 1ms;        // a wait on the local channel, between network looks
-constexpr auto kStillFor = 10ms;         // a transfer with no progress that long sleeps between turns
 constexpr double kSlowestBytesPerMs = 10e3;  // a bucket's payload may take its size at 10 MB/s
 constexpr int kMessagesPerTurn = 64;
 
@@ -84,6 +82,7 @@ struct ServerState {
   std::array<std::byte, 64> discard{};                   // what hear() throws away; never read
   std::vector<std::unique_ptr<std::byte[]>> lingering;   // receives hear() gave up on
   Worker worker;
+  Pace pace{worker};  // between progress calls while a bucket is under way
   ucp_listener_h listener = nullptr;
   std::vector<ucp_conn_request_h> incoming;  // filled by the listener's callback
   std::list<Peer> peers;                     // a list: peers keep their addresses
@@ -94,7 +93,6 @@ struct ServerState {
   std::optional<ChunkedHash> current_hash;
   std::uint64_t current_hash_value = 0;    // sent after the chunks, to each peer
   Clock::time_point current_deadline{};
-  Clock::time_point last_moved{};  // when a progress call last did something
   std::uint64_t served = 0;
   std::string address;
 
@@ -323,8 +321,8 @@ struct ServerState {
     }
     served += any ? 1 : 0;
     auto allowance = std::chrono::milliseconds(static_cast<std::int64_t>(payload.size() / kSlowestBytesPerMs));
-    last_moved = Clock::now();
-    current_deadline = last_moved + options.peer_timeout + allowance;
+    pace.restart();
+    current_deadline = Clock::now() + options.peer_timeout + allowance;
   }
 
   // Sends each peer taking the current bucket its next chunks, kChunksInFlight at most under
@@ -393,16 +391,7 @@ struct ServerState {
       }
       drop_failed();
       if (!done) {
-        // The transfer goes on only in this thread's progress calls: they run back to back
-        // while it moves (a sleep on the wake-up event between them slowed small transfers,
-        // docs/network.md). One that stood still for kStillFor, a peer not reading, sleeps
-        // there instead: it would keep a core busy until peer_timeout dropped the peer.
-        if (moved) last_moved = now;
-        if (now - last_moved < kStillFor) {
-          std::this_thread::yield();
-        } else {
-          worker.wait(kLocalSlice);
-        }
+        pace.after(moved);
         return;
       }
       current.reset();  // every send is done: the slot's bytes are no longer read

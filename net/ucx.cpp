@@ -312,6 +312,16 @@ void Worker::wait(std::chrono::microseconds limit) {
   progress();
 }
 
+void Pace::after(bool moved) {
+  auto now = Clock::now();
+  if (moved) last_moved_ = now;
+  if (now - last_moved_ < kStillFor) {
+    std::this_thread::yield();
+  } else {
+    worker_.wait(std::chrono::milliseconds(1));
+  }
+}
+
 Request::Request(ucp_worker_h worker, ucs_status_ptr_t started, std::string_view what) : worker_(worker), what_(what) {
   if (UCS_PTR_IS_ERR(started)) fail_ucx(what, UCS_PTR_STATUS(started));
   request_ = UCS_PTR_IS_PTR(started) ? started : nullptr;

@@ -61,6 +61,28 @@ class Worker {
   int event_fd_ = -1;
 };
 
+// The pause between a transfer's progress calls (it moves only in them, in this thread): none
+// while they do something, but a yield, since a sleep on the wake-up event there slowed small
+// transfers (docs/network.md); once they did nothing for kStillFor (a peer that stopped reading
+// or sending), a sleep on that event, 1 ms at most, so that a stalled peer does not keep a core
+// busy until a timeout drops it.
+class Pace {
+ public:
+  static constexpr auto kStillFor = std::chrono::milliseconds(10);
+
+  explicit Pace(Worker& worker) noexcept : worker_(worker) {}
+  // After a progress call that did something (`moved`) or nothing.
+  void after(bool moved);
+  // A progress call and the pause after it.
+  void step() { after(worker_.progress()); }
+  // A new transfer: it counts as moving.
+  void restart() noexcept { last_moved_ = Clock::now(); }
+
+ private:
+  Worker& worker_;
+  Clock::time_point last_moved_ = Clock::now();
+};
+
 // A send or receive under way. Destroying one that is not done lets UCX finish and free it: its
 // buffer must outlive the worker's progress until done() says so, or until its endpoint was
 // closed by force (which ends what is under way on it).

@@ -207,6 +207,45 @@ def test_killed_relay_serve_and_link_resume_without_torn_or_stale_buckets(hosts)
         assert len(versions) > count // 4, f"{server.name} got only {len(versions)} buckets"
 
 
+def cpu_seconds(pid):
+    """The CPU time (user and system) process `pid` has taken, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@needs_root
+@pytest.mark.parametrize("stopped", ["serve", "relay"])
+def test_a_stopped_peer_does_not_keep_the_other_side_busy(hosts, stopped):
+    """One side stops (SIGSTOP) while 32 MiB buckets stream: the other, its transfer standing
+    still, sleeps between progress calls instead of spinning until its timeout; once the
+    stopped side goes on, so does the stream, every bucket verified."""
+    h, port = hosts, 17007
+    up, down = f"up{h.suffix}", f"down{h.suffix}"
+    h.start(h.b, "server", "consume", "--channel", down, "--follow", "--verify", "--json", "--quiet",
+            "--timeout-ms", "60000")
+    relay = h.start(h.b, "relay", "relay", "--connect", f"{h.addr_a}:{port}", "--channel", up, "--as", down,
+                    "--token-file", str(h.token))
+    h.start(h.a, "trainer", "produce", "--channel", up, "--buckets", "1000000", "--tensors", "16",
+            "--tensor-bytes", str(2 << 20), "--quiet", "--timeout-ms", "60000")
+    serve = h.start(h.a, "serve", "serve", "--channel", up, "--listen", f"{h.addr_a}:{port}", "--token-file",
+                    str(h.token))
+    wait_for(lambda: len(buckets(h, "server")) >= 5, 60, "the first buckets")
+    logs = h.text("serve"), h.text("relay")
+    halted, waiting = (serve, relay) if stopped == "serve" else (relay, serve)
+    halted.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(0.5)  # past the 10 ms after which a transfer counts as standing still
+        before = cpu_seconds(waiting.pid)
+        time.sleep(3)  # within both sides' timeouts (5 s and 10 s)
+        busy = cpu_seconds(waiting.pid) - before
+    finally:
+        halted.send_signal(signal.SIGCONT)
+    assert busy < 0.6, f"{waiting.name} took {busy:.2f} s of CPU in 3 s while {halted.name} was stopped"
+    count = len(buckets(h, "server"))
+    wait_for(lambda: len(buckets(h, "server")) >= count + 5, 60, "buckets after the stopped side went on")
+    assert (h.text("serve"), h.text("relay")) == logs, "the link did not outlive the stop"
+
+
 # A payload of one chunk (1 MiB) or less travels in the bucket's announce; a larger one in
 # chunks, received into a buffer, or straight into a local slot from 4 MiB on.
 PAYLOADS = {"whole": ("4", "65536"), "chunks": ("3", "1048576"), "chunks_in_place": ("5", "1048576")}
