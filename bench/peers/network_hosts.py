@@ -12,7 +12,10 @@ run:
   consumer there. The relay's rate line counts from the first bucket's arrival to the last one's
   publish; 40 buckets, so that the first ones, which fault in fresh slots, weigh little. Also
   the CPU time serve and relay took per bucket (user and system, read from /proc while they
-  run). Beside it, `ucx_perftest -t tag_bw -s 256MiB` between the same hosts: the limit.
+  run). Beside it, `ucx_perftest -t tag_bw -s 256MiB` between the same hosts: the limit. And,
+  for context only, ucx_perftest again while the same trainer and consumer run beside it,
+  paced at our measured bucket rate: both hosts share this machine's cores, so the trainer's
+  copy of each bucket takes CPU time from the transfer, which it would not on two machines.
 - latency of buckets of 1000 x 1 KiB tensors: a Python trainer in host a publishes them, a
   Python server in host b takes each from the relay's channel. Two paces: one bucket every
   20 ms (the machine idles between them), and in turns (the next once the server had the last,
@@ -88,13 +91,16 @@ def perftest(test, size, iterations, port):
     return {"latency_median_us": values[1], "bandwidth_MBps": values[4]}
 
 
+# Publishes COUNT buckets, INTERVAL seconds apart at least (0: as fast as slots come free).
 TRAINER = textwrap.dedent("""
-    import sys, torch, tensorbucket as tb
-    channel, count = sys.argv[1], int(sys.argv[2])
+    import sys, time, torch, tensorbucket as tb
+    channel, count, interval = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     weights = {"flat": torch.ones(%d // 4, dtype=torch.float32)}
     with tb.Publisher(channel) as publisher:
         for version in range(count):
+            started = time.monotonic()
             publisher.publish(weights, version=version, timeout=120)
+            time.sleep(max(0.0, interval - (time.monotonic() - started)))
 """ % BIG)
 
 
@@ -131,7 +137,7 @@ def ours_throughput(tbucket, token, port, buckets):
                        "--timeout-ms", "120000", stdout=subprocess.DEVNULL)
     relay = in_host(B, tbucket, "relay", "--connect", f"{ADDR_A}:{port}", "--channel", up, "--as", down,
                     "--token-file", token, "--buckets", str(buckets), "--quiet", stdout=subprocess.PIPE, text=True)
-    trainer = in_host(A, sys.executable, "-c", TRAINER, up, str(buckets))
+    trainer = in_host(A, sys.executable, "-c", TRAINER, up, str(buckets), "0")
     time.sleep(2)  # the trainer's channel, before serve attaches
     serve = in_host(A, tbucket, "serve", "--channel", up, "--listen", f"{ADDR_A}:{port}", "--token-file", token,
                     stderr=subprocess.DEVNULL)
@@ -151,6 +157,25 @@ def ours_throughput(tbucket, token, port, buckets):
         sys.exit(f"the relay printed no rate:\n{out}")
     cpu_ms = {name: seconds * 1000 / buckets for name, seconds in cpu_seconds.items()}
     return float(rate.group(1)) * (1 << 20) / 1e6, cpu_ms["serve"], cpu_ms["relay"]  # MB/s, as ucx_perftest counts
+
+
+def perftest_beside_trainer(tbucket, port, bucket_seconds):
+    """ucx_perftest tag_bw of 256 MiB while the throughput run's trainer and consumer work beside
+    it, a bucket every `bucket_seconds` (ours' pace), through a local channel: MB/s."""
+    channel = f"bench-beside-{port}"
+    consumer = in_host(B, tbucket, "consume", "--channel", channel, "--buckets", "1000000", "--quiet",
+                       "--timeout-ms", "120000", stdout=subprocess.DEVNULL)
+    trainer = in_host(A, sys.executable, "-c", TRAINER, channel, "1000000", str(bucket_seconds),
+                      stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(4)  # torch imported, buckets flowing
+        if trainer.poll() is not None or consumer.poll() is not None:
+            sys.exit("the trainer or consumer beside ucx_perftest ended early")
+        return perftest("tag_bw", BIG, 20, port)["bandwidth_MBps"]
+    finally:
+        for proc in (trainer, consumer):
+            proc.kill()
+            proc.wait()
 
 
 # The trainer's version is CLOCK_MONOTONIC just before publish() (the hosts share the machine's
@@ -253,7 +278,8 @@ def main():
     if os.geteuid() != 0:
         sys.exit("network_hosts.py makes network namespaces: run it as root")
     tbucket = str(pathlib.Path(args.build, "tools", "tbucket").resolve())
-    rows = {key: [] for key in ("ours_MBps", "serve_cpu_ms", "relay_cpu_ms", "perftest_MBps", "gloo_big_us",
+    rows = {key: [] for key in ("ours_MBps", "serve_cpu_ms", "relay_cpu_ms", "perftest_MBps", "perftest_beside_MBps",
+                                "gloo_big_us",
                                 "ours_lat_us", "ours_lat_published_us", "ours_turns_us", "ours_turns_published_us",
                                 "perftest_lat_us", "gloo_small_us")}
     with tempfile.TemporaryDirectory() as tmp:
@@ -269,6 +295,8 @@ def main():
                     for key, value in zip(("ours_MBps", "serve_cpu_ms", "relay_cpu_ms"),
                                           ours_throughput(tbucket, str(token), port + 1, args.buckets)):
                         rows[key].append(value)
+                    rows["perftest_beside_MBps"].append(
+                        perftest_beside_trainer(tbucket, port + 5, BIG / (rows["ours_MBps"][-1] * 1e6)))
                     rows["gloo_big_us"].append(gloo_broadcast_us(BIG, 12))
                 if args.what in ("all", "latency"):
                     rows["perftest_lat_us"].append(
@@ -290,6 +318,8 @@ def main():
         print(f"256 MiB buckets: ours {med['ours_MBps']:.0f} MB/s, ucx_perftest tag_bw {med['perftest_MBps']:.0f} MB/s "
               f"({med['ours_MBps'] / med['perftest_MBps']:.0%} of it), gloo broadcast {gloo_MBps:.0f} MB/s")
         print(f"  CPU per bucket: serve {med['serve_cpu_ms']:.0f} ms, relay {med['relay_cpu_ms']:.0f} ms")
+        print(f"  context: ucx_perftest tag_bw with the same trainer and consumer beside it, at ours' bucket rate: "
+              f"{med['perftest_beside_MBps']:.0f} MB/s (ours {med['ours_MBps'] / med['perftest_beside_MBps']:.0%} of it)")
     if "ours_lat_us" in med:
         ping = med["perftest_lat_us"]
         print(f"1000 x 1 KiB: ucx_perftest tag_lat {ping:.0f} us one way, gloo broadcast {med['gloo_small_us']:.0f} us; "
