@@ -224,11 +224,11 @@ def test_a_stopped_peer_does_not_keep_the_other_side_busy(hosts, stopped):
     h.start(h.b, "server", "consume", "--channel", down, "--follow", "--verify", "--json", "--quiet",
             "--timeout-ms", "60000")
     relay = h.start(h.b, "relay", "relay", "--connect", f"{h.addr_a}:{port}", "--channel", up, "--as", down,
-                    "--token-file", str(h.token))
+                    "--token-file", str(h.token), "--idle-timeout-ms", "15000")
     h.start(h.a, "trainer", "produce", "--channel", up, "--buckets", "1000000", "--tensors", "16",
             "--tensor-bytes", str(2 << 20), "--quiet", "--timeout-ms", "60000")
     serve = h.start(h.a, "serve", "serve", "--channel", up, "--listen", f"{h.addr_a}:{port}", "--token-file",
-                    str(h.token))
+                    str(h.token), "--peer-timeout-ms", "15000")
     wait_for(lambda: len(buckets(h, "server")) >= 5, 60, "the first buckets")
     logs = h.text("serve"), h.text("relay")
     halted, waiting = (serve, relay) if stopped == "serve" else (relay, serve)
@@ -236,7 +236,7 @@ def test_a_stopped_peer_does_not_keep_the_other_side_busy(hosts, stopped):
     try:
         time.sleep(0.5)  # past the 10 ms after which a transfer counts as standing still
         before = cpu_seconds(waiting.pid)
-        time.sleep(3)  # within both sides' timeouts (5 s and 10 s)
+        time.sleep(3)  # well within both sides' timeouts
         busy = cpu_seconds(waiting.pid) - before
     finally:
         halted.send_signal(signal.SIGCONT)
