@@ -66,8 +66,12 @@ struct RemoteState {
     std::size_t length = 0;
     if (auto* found = probe(worker.get(), tag(Kind::Refused), kAllBits, &length)) {
       message.resize(std::min(length, kMaxRefusalBytes));
-      auto receiving = receive(worker.get(), found, message);
-      if (length <= kMaxRefusalBytes && receiving.done()) refused(message);
+      bool whole = false;
+      try {
+        whole = receive(worker.get(), found, message).done();
+      } catch (const Error&) {
+      }
+      if (length <= kMaxRefusalBytes && whole) refused(message);
     }
     lost(std::string("failed: ") + ucs_status_string(endpoint.failed));
   }
@@ -132,15 +136,47 @@ struct RemoteState {
         if (Clock::now() > until) lost("a transfer stalled");
         pace.step();
       }
+    } catch (...) {
+      rethrow_once_ended([&] { return request.ended(); });
+    }
+  }
+
+  // Called from a catch block, with requests under way whose buffers the caller frees once
+  // this throws: the link goes, by force, which ends them, and this waits (kCloseLimit at
+  // most) until `ended()` says so, since until then UCX may still write there. Then throws
+  // the exception caught, naming the link when it is the first news of its failure.
+  template <class Ended>
+  [[noreturn]] void rethrow_once_ended(Ended ended) {
+    bool news = !broken;
+    if (news) {
+      broken = true;
+      detail::close(worker, endpoint, kCloseLimit);
+    }
+    auto until = Clock::now() + kCloseLimit;
+    while (!ended() && Clock::now() < until) worker.progress();
+    try {
+      throw;
     } catch (const Error& e) {
-      if (e.code() == ErrorCode::NetworkError && !broken) lost(e.what());
+      if (news && e.code() == ErrorCode::NetworkError) {
+        throw Error(ErrorCode::NetworkError, "link to " + address + ": " + e.what());
+      }
       throw;
     }
   }
 
+  // Drops the heartbeats that came (a bounded number: a server sending nothing else must not
+  // keep next() from its deadline), and fails the link on a message of a kind no server sends
+  // after the handshake: no peer takes it, and it would stay in the queue, the oldest, for good.
   void skip_heartbeats() {
     std::vector<std::byte> beat;
-    while (take(Kind::Heartbeat, beat, 64, Clock::now())) {
+    for (int skipped = 0; skipped < 64 && take(Kind::Heartbeat, beat, 64, Clock::now()); ++skipped) {
+    }
+    if (auto oldest = oldest_tag(worker.get())) {
+      auto kind = static_cast<Kind>(*oldest >> 56);
+      if (kind != Kind::Bucket && kind != Kind::Payload && kind != Kind::PayloadHash && kind != Kind::Heartbeat &&
+          kind != Kind::Refused) {
+        lost("a message of kind " + std::to_string(static_cast<int>(kind)) + ", which a server does not send now");
+      }
     }
   }
 
@@ -236,26 +272,10 @@ struct RemoteState {
         pace.step();
       }
     } catch (...) {
-      // The link goes, by force, which ends the receives under way. Until they have ended they
-      // may write into `payload`, which the caller may give back once this throws.
-      bool lost_here = !broken;
-      if (lost_here) {
-        broken = true;
-        detail::close(worker, endpoint, kCloseLimit);
-      }
-      auto until = Clock::now() + kCloseLimit;
-      while (!std::all_of(arriving.begin(), arriving.end(), [](const Request& r) { return r.ended(); }) &&
-             Clock::now() < until) {
-        worker.progress();
-      }
-      try {
-        throw;
-      } catch (const Error& e) {
-        if (lost_here && e.code() == ErrorCode::NetworkError) {
-          throw Error(ErrorCode::NetworkError, "link to " + address + ": " + e.what());
-        }
-        throw;
-      }
+      // The receives under way write into `payload`, which the caller may give back once this throws.
+      rethrow_once_ended([&] {
+        return std::all_of(arriving.begin(), arriving.end(), [](const Request& r) { return r.ended(); });
+      });
     }
     return hash.value();
   }
@@ -283,7 +303,11 @@ struct RemoteState {
         sizeof(BucketAnnounce) + kMaxFrame + kPayloadAlignment + std::min(kChunkBytes, options.max_bucket_bytes);
     std::span<std::byte> received;  // the Bucket message
     for (;;) {
-      acks.remove_if([](PendingAck& pending) { return pending.request.done(); });
+      try {
+        acks.remove_if([](PendingAck& pending) { return pending.request.done(); });
+      } catch (const Error& e) {
+        lost(std::string("an acknowledgement: ") + e.what());
+      }
       skip_heartbeats();
       if (take(Kind::Bucket, max_message, std::min(until, Clock::now() + 50ms),
                [&](std::size_t length) { return received = inbox_room(length); })) {
@@ -380,7 +404,13 @@ struct RemoteState {
     last = {announce.incarnation, announce.sequence};
     auto& pending = acks.emplace_back();
     pending.ack.ordinal = ordinal;
-    pending.request = send(worker.get(), endpoint.ep, std::as_bytes(std::span(&pending.ack, 1)), tag(Kind::Ack, key));
+    try {
+      pending.request = send(worker.get(), endpoint.ep, std::as_bytes(std::span(&pending.ack, 1)), tag(Kind::Ack, key));
+    } catch (const Error&) {
+      // The bucket is verified and is handed out; the next call says the link is gone.
+      broken = true;
+      detail::close(worker, endpoint, kCloseLimit);
+    }
     return RemoteBucket(std::move(*view), announce.sequence, announce.incarnation, std::move(owner));
   }
 };

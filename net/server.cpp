@@ -1,4 +1,5 @@
 // The serve side: a local consumer that sends each bucket to its authenticated peers.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -27,11 +28,17 @@ constexpr auto kCloseLimit = 1s;
 constexpr auto kRefusalGrace = 1s;       // for a refusal to reach its peer before the link closes
 constexpr auto kLocalSlice = 1ms;        // a wait on the local channel, between network looks
 constexpr double kSlowestBytesPerMs = 10e3;  // a bucket's payload may take its size at 10 MB/s
-constexpr int kMessagesPerTurn = 64;
 
 // A small message under way and the bytes it sends: a list entry, so the bytes never move.
 struct Small {
   std::vector<std::byte> bytes;
+  Request request;
+};
+
+// A receive hear() gave up on (its message came by rendezvous) and the bytes UCX may still write
+// into, kept until it ended: its peer is failed, and the forced close of the link ends it.
+struct Lingering {
+  std::unique_ptr<std::byte[]> bytes;
   Request request;
 };
 
@@ -80,7 +87,7 @@ struct ServerState {
   std::vector<std::byte> flipped;                        // the payload with a byte flipped
 #endif
   std::array<std::byte, 64> discard{};                   // what hear() throws away; never read
-  std::vector<std::unique_ptr<std::byte[]>> lingering;   // receives hear() gave up on
+  std::list<Lingering> lingering;                        // receives hear() gave up on
   Worker worker;
   Pace pace{worker};  // between progress calls while a bucket is under way
   ucp_listener_h listener = nullptr;
@@ -101,6 +108,7 @@ struct ServerState {
   ~ServerState() {
     for (auto& peer : peers) detail::close(worker, peer.endpoint, kCloseLimit);
     peers.clear();
+    for (auto& receive : lingering) receive.request.cancel();  // while the worker lives; the bytes go after it
     current.reset();  // after the peers: their sends read its slot
     if (listener != nullptr) {
       for (auto* request : incoming) ucp_listener_reject(listener, request);
@@ -167,6 +175,11 @@ struct ServerState {
     if (!same_digest(proof.proof, client_proof(options.token, peer.nonce, peer.key))) {
       return refuse(peer, Refusal::WrongToken, "wrong token");
     }
+    // Checked again here: connections admitted together may all prove the token.
+    auto serving = std::count_if(peers.begin(), peers.end(), [](const Peer& other) { return other.authenticated; });
+    if (static_cast<std::size_t>(serving) >= options.max_peers) {
+      return refuse(peer, Refusal::Other, std::to_string(options.max_peers) + " peers already (max_peers)");
+    }
     Welcome welcome{server_proof(options.token, proof.nonce, peer.key), 0, {}};
     const auto& name = subscriber.channel();
     welcome.channel_bytes = static_cast<std::uint32_t>(std::min(name.size(), welcome.channel.size()));
@@ -180,9 +193,13 @@ struct ServerState {
   // Every message peers sent: proofs and acknowledgements, each the exact size, from the peer
   // whose key it carries. Anything else is taken off the queue (so that nothing piles up in
   // it) and fails the peer whose key it carries. A message not here whole at once came by
-  // rendezvous, which no honest peer uses for these: its sender is failed too.
+  // rendezvous, which no honest peer uses for these: its sender is failed too. All of the
+  // queue, every turn: a flood of messages no peer's key names, which anyone who can connect
+  // can send, must not hold back the acknowledgements behind it. It holds only what the
+  // turn's bounded progress brought in.
   void hear() {
-    for (int turn = 0; turn < kMessagesPerTurn; ++turn) {
+    std::erase_if(lingering, [](const Lingering& receive) { return receive.request.ended(); });
+    for (;;) {
       std::size_t length = 0;
       ucp_tag_t sender_tag = 0;
       auto* message = probe(worker.get(), 0, 0, &length, &sender_tag);
@@ -199,14 +216,15 @@ struct ServerState {
       bool wanted = expected != 0 && length == expected;
       auto into = wanted ? std::make_unique<std::byte[]>(expected) : nullptr;
       bool whole = false;
+      Request receiving;
       try {
-        auto receiving = receive(worker.get(), message,
-                                 wanted ? std::span(into.get(), expected) : std::span(discard).first(std::min(length, discard.size())));
+        auto room = wanted ? std::span(into.get(), expected) : std::span(discard).first(std::min(length, discard.size()));
+        receiving = receive(worker.get(), message, room);
         whole = receiving.done();
       } catch (const Error&) {
         whole = false;  // truncated, or failed
       }
-      if (wanted && !whole) lingering.push_back(std::move(into));  // UCX may still write there
+      if (wanted && !whole) lingering.push_back({std::move(into), std::move(receiving)});  // UCX may still write there
       if (peer == nullptr) continue;
       if (!wanted || !whole) {
         peer->problem = "sent a message it should not have (tag kind " + std::to_string(static_cast<int>(kind)) +

@@ -296,7 +296,7 @@ Worker::~Worker() {
 
 bool Worker::progress() noexcept {
   bool any = false;
-  while (ucp_worker_progress(worker_) != 0) any = true;
+  for (int call = 0; call < kProgressCalls && ucp_worker_progress(worker_) != 0; ++call) any = true;
   return any;
 }
 
@@ -382,6 +382,12 @@ ucp_tag_message_h probe(ucp_worker_h worker, ucp_tag_t tag, ucp_tag_t mask, std:
     if (sender_tag != nullptr) *sender_tag = info.sender_tag;
   }
   return message;
+}
+
+std::optional<ucp_tag_t> oldest_tag(ucp_worker_h worker) noexcept {
+  ucp_tag_recv_info_t info{};
+  if (ucp_tag_probe_nb(worker, 0, 0, 0, &info) == nullptr) return std::nullopt;
+  return info.sender_tag;
 }
 
 namespace {

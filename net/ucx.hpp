@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -49,7 +50,10 @@ class Worker {
   Worker& operator=(const Worker&) = delete;
 
   ucp_worker_h get() const noexcept { return worker_; }
-  // Runs UCX's progress until it has nothing more to do; true when it did something.
+  // Runs UCX's progress until it has nothing more to do, or kProgressCalls times: a peer that
+  // keeps sending must not keep its caller from its other work or its deadlines. True when it
+  // did something.
+  static constexpr int kProgressCalls = 256;
   bool progress() noexcept;
   // Sleeps until the network has something for this worker, `limit` at most. UCX's wake-up
   // event does not fire for every transport (not for shared memory): callers keep it short.
@@ -113,6 +117,8 @@ Request receive(ucp_worker_h worker, ucp_tag_message_h message, std::span<std::b
 // Takes the next message whose tag matches `tag` under `mask` off the worker's queue, or null.
 ucp_tag_message_h probe(ucp_worker_h worker, ucp_tag_t tag, ucp_tag_t mask, std::size_t* length,
                         ucp_tag_t* sender_tag = nullptr) noexcept;
+// The tag of the oldest message in the worker's queue, left there; nullopt when it is empty.
+std::optional<ucp_tag_t> oldest_tag(ucp_worker_h worker) noexcept;
 
 // An endpoint whose failures (the peer gone, the link reset) set `failed` instead of aborting.
 struct Endpoint {

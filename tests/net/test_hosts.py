@@ -377,6 +377,57 @@ def test_connections_that_never_prove_the_token_are_capped_and_refused(tmp_path)
             proc.wait(timeout=15)
 
 
+def anonymous_rss_mib(pid):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no RssAnon for {pid}")
+
+
+def test_a_flood_from_links_without_the_token_neither_piles_up_nor_stalls_a_relay(tmp_path):
+    """Eight links that never prove the token send tiny messages under keys no link has, as fast
+    as they can, until the server cuts them off: the server's memory stays put and the relay
+    it serves meanwhile is neither dropped nor late."""
+    token = make_token(tmp_path / "token")
+    tag, count, address = os.getpid(), 300, "127.0.0.1:17008"
+    up, down = f"floodup{tag}", f"flooddown{tag}"
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("server", "relay", "trainer", "serve")}
+    run = lambda name, *args: subprocess.Popen([TBUCKET, *args], stdout=logs[name], stderr=subprocess.STDOUT)
+    procs = [
+        run("trainer", "produce", "--channel", up, "--buckets", "100000", "--tensors", "4", "--tensor-bytes", "4096",
+            "--interval-ms", "10", "--quiet", "--timeout-ms", "60000"),
+        run("serve", "serve", "--channel", up, "--listen", address, "--token-file", str(token)),
+    ]
+    try:
+        wait_for(lambda: "on 127.0.0.1" in (tmp_path / "serve.log").read_text(), 30, "serve to listen")
+        procs.append(run("relay", "relay", "--connect", address, "--channel", up, "--as", down, "--token-file",
+                         str(token)))
+        procs.append(run("server", "consume", "--channel", down, "--buckets", str(count), "--verify", "--json",
+                         "--quiet", "--timeout-ms", "60000"))
+        wait_for(lambda: "serving 127.0.0.1" in (tmp_path / "serve.log").read_text(), 30, "the relay to get in")
+        before = anonymous_rss_mib(procs[1].pid)
+        flood = subprocess.Popen([os.environ["TBUCKET_SILENT_PEER"], address, "8", "5", "flood"],
+                                 stdout=subprocess.PIPE, text=True)
+        peak = before
+        while flood.poll() is None:
+            peak = max(peak, anonymous_rss_mib(procs[1].pid))
+            time.sleep(0.05)
+        out = flood.stdout.read().split()
+        assert out[:2] == ["challenged", "8"] and out[4:6] == ["cut", "8"], out  # all cut off, after 3 s
+        assert int(out[7]) > 100_000, out  # the flood did flood
+        assert peak - before < 64, f"serve grew from {before:.0f} to {peak:.0f} MiB under the flood"
+        assert procs[-1].wait(timeout=60) == 0, (tmp_path / "server.log").read_text()
+        lines = [json.loads(line) for line in (tmp_path / "server.log").read_text().splitlines()
+                 if line.startswith("{")]
+        assert len(lines) == count and all(line["ok"] for line in lines)
+        assert "dropped" not in (tmp_path / "serve.log").read_text()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=15)
+
+
 def resolves_through_resolv_conf():
     """glibc asks the DNS servers of /etc/resolv.conf (which `ip netns exec` can replace) for
     host names: nsswitch names `dns`, and not systemd-resolved."""
