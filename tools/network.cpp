@@ -44,7 +44,9 @@ class Republisher {
       for (std::size_t i = 0; i < laid.size(); ++i) {
         if (laid[i].byte_offset != manifest.entries[i].byte_offset) return {};
       }
-      if (layout.payload_bytes() < payload_bytes) return {};
+      // Exactly: the frame is not verified yet, and a slot grows to what its layout needs, so
+      // a frame that declared more would take shared memory past max_bucket_bytes.
+      if (layout.payload_bytes() != payload_bytes) return {};
       with_deadline(timeout_ms, [&](auto slice) {
         if (auto reserved = publisher_.reserve(layout, slice)) reservation_.emplace(std::move(*reserved));
         return reservation_.has_value();
@@ -201,13 +203,18 @@ int run_relay(const RelayOptions& options) {
       // a receive into the slot that UCX had under way ends with it.
       remote.reset();
       republisher.abandon();
-      if (e.code() == ErrorCode::Unauthorized || e.code() == ErrorCode::InvalidArgument ||
+      // A refused token ends the relay when it was never served: the configuration is wrong.
+      // Once served, it tries again: what answers now may be an impostor on the server's port
+      // (a refusal comes before the server proved anything), and it must not end the relay.
+      bool unauthorized = e.code() == ErrorCode::Unauthorized;
+      if ((unauthorized && !connected_once) || e.code() == ErrorCode::InvalidArgument ||
           e.code() == ErrorCode::ChannelMissing) {
         std::fprintf(stderr, "tbucket: %s: %s\n", std::string(to_string(e.code())).c_str(), e.what());
         return exit_code_for(e.code());
       }
       log(std::string(to_string(e.code())) + ": " + e.what() + "; reconnecting");
       if (!connected_once && e.code() != ErrorCode::NetworkError) throw;
+      if (unauthorized) backoff = std::chrono::milliseconds(2000);
     }
     remote.reset();
     if (stop_signal() != 0 || (options.buckets != 0 && relayed >= options.buckets)) break;

@@ -428,6 +428,52 @@ def test_a_flood_from_links_without_the_token_neither_piles_up_nor_stalls_a_rela
             proc.wait(timeout=15)
 
 
+def test_a_relay_once_served_outlasts_a_refusal_of_its_token(tmp_path):
+    """A relay refused at its first connect exits (test_wrong_token_is_refused); once a server
+    took its token, whatever refuses it later (here another server on the same port, with
+    another token, as an impostor would be) is tried again, and it resumes when the real server
+    is back."""
+    token, other = make_token(tmp_path / "token"), make_token(tmp_path / "other-token")
+    tag, count, address = os.getpid(), 400, "127.0.0.1:17009"
+    up, down = f"outlastup{tag}", f"outlastdown{tag}"
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("server", "relay", "trainer", "serve", "impostor")}
+    run = lambda name, *args: subprocess.Popen([TBUCKET, *args], stdout=logs[name], stderr=subprocess.STDOUT)
+    text = lambda name: (tmp_path / f"{name}.log").read_text()
+    serve = lambda name, token_file: run(name, "serve", "--channel", up, "--listen", address, "--token-file",
+                                         str(token_file))
+    trainer = run("trainer", "produce", "--channel", up, "--buckets", "100000", "--tensors", "4", "--tensor-bytes",
+                  "4096", "--interval-ms", "10", "--quiet", "--timeout-ms", "60000")
+    procs = [trainer, serve("serve", token)]
+    try:
+        wait_for(lambda: "on 127.0.0.1" in text("serve"), 30, "serve to listen")
+        relay = run("relay", "relay", "--connect", address, "--channel", up, "--as", down, "--token-file", str(token))
+        consumer = run("server", "consume", "--channel", down, "--buckets", str(count), "--verify", "--json",
+                       "--quiet", "--timeout-ms", "60000")
+        procs += [relay, consumer]
+        wait_for(lambda: text("server").count("\n") >= 20, 30, "buckets through the relay")
+        procs[1].send_signal(signal.SIGTERM)
+        procs[1].wait(timeout=15)
+        impostor = serve("impostor", other)
+        procs.append(impostor)
+        wait_for(lambda: text("impostor").count("wrong token") >= 2, 30, "the relay to try again after a refusal")
+        assert relay.poll() is None, text("relay")
+        assert consumer.poll() is None, "the consumer finished before the impostor came"
+        impostor.send_signal(signal.SIGTERM)
+        impostor.wait(timeout=15)
+        procs.append(serve("serve", token))
+        assert consumer.wait(timeout=60) == 0, text("server")
+        lines = [json.loads(line) for line in text("server").splitlines() if line.startswith("{")]
+        assert len(lines) == count and all(line["ok"] for line in lines)
+        versions = [line["version"] for line in lines]
+        assert versions == sorted(set(versions)), "a bucket delivered twice or out of order"
+        assert "Unauthorized" in text("relay") and "reconnecting" in text("relay"), text("relay")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=15)
+
+
 def resolves_through_resolv_conf():
     """glibc asks the DNS servers of /etc/resolv.conf (which `ip netns exec` can replace) for
     host names: nsswitch names `dns`, and not systemd-resolved."""
