@@ -51,7 +51,10 @@ struct RemoteState {
 
   RemoteState(std::string_view where, const ConnectOptions& connect, const std::string& interface)
       : address(where), options(connect), worker(interface) {}
-  ~RemoteState() { detail::close(worker, endpoint, kCloseLimit); }
+  ~RemoteState() {
+    detail::close(worker, endpoint, kCloseLimit);
+    for (auto& pending : acks) pending.request.cancel();  // while the worker lives; the bytes go after it
+  }
 
   [[noreturn]] void lost(const std::string& why) {
     broken = true;

@@ -144,8 +144,8 @@ int run_relay(const RelayOptions& options) {
                               .idle_timeout = std::chrono::milliseconds(options.idle_timeout_ms)};
   const auto& local = options.as.empty() ? options.channel : options.as;
   Republisher republisher(Publisher::create(local, options.local.publisher()));
-  auto log = [&](const std::string& line) {
-    if (!options.quiet) std::fprintf(stderr, "tbucket relay: %s\n", line.c_str());
+  auto log = [&](const std::string& line, bool even_quiet = false) {
+    if (!options.quiet || even_quiet) std::fprintf(stderr, "tbucket relay: %s\n", line.c_str());
   };
   // What was republished last: a server restarted on a channel that still holds it sends it
   // again, and it must not reach the local consumers twice.
@@ -212,7 +212,8 @@ int run_relay(const RelayOptions& options) {
         std::fprintf(stderr, "tbucket: %s: %s\n", std::string(to_string(e.code())).c_str(), e.what());
         return exit_code_for(e.code());
       }
-      log(std::string(to_string(e.code())) + ": " + e.what() + "; reconnecting");
+      // A refusal is told also under --quiet: it may go on.
+      log(std::string(to_string(e.code())) + ": " + e.what() + "; reconnecting", unauthorized);
       if (!connected_once && e.code() != ErrorCode::NetworkError) throw;
       if (unauthorized) backoff = std::chrono::milliseconds(2000);
     }
