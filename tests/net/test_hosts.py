@@ -3,6 +3,7 @@ between them, `tbucket serve` on one and `tbucket relay` on the other (docs/netw
 
 Needs root (the namespaces) and the network build of tbucket (TBUCKET names it); skipped
 otherwise. Shared memory is the machine's, so the hosts' channels have different names."""
+import itertools
 import json
 import os
 import shutil
@@ -33,36 +34,19 @@ def ip(*args, check=True):
     return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
 
 
-class Hosts:
-    """Namespaces `a` and `b`, one veth between them: 198.18.N.1 and 198.18.N.2 (RFC 2544's
-    benchmarking range, on these veths only)."""
+class Processes:
+    """The processes of one test, each with its stdout in NAME.out and its stderr in NAME.err
+    under the test's directory (appended to, so a name started again keeps one record); all of
+    them stopped at the end."""
 
     def __init__(self, tmp_path):
-        tag = f"{os.getpid() % 100000}"
-        self.a, self.b = f"tbA{tag}", f"tbB{tag}"
-        self.veth_a, self.veth_b = f"tbva{tag}", f"tbvb{tag}"
-        subnet = os.getpid() % 250 + 1
-        self.addr_a, self.addr_b = f"198.18.{subnet}.1", f"198.18.{subnet}.2"
         self.dir = tmp_path
         self.procs = []
-        ip("netns", "add", self.a)
-        ip("netns", "add", self.b)
-        ip("link", "add", self.veth_a, "type", "veth", "peer", "name", self.veth_b)
-        ip("link", "set", self.veth_a, "netns", self.a)
-        ip("link", "set", self.veth_b, "netns", self.b)
-        for ns, veth, addr in ((self.a, self.veth_a, self.addr_a), (self.b, self.veth_b, self.addr_b)):
-            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
-            ip("-n", ns, "link", "set", veth, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
         self.token = make_token(tmp_path / "token")
-        self.suffix = tag
 
-    def start(self, ns, name, *args, program=TBUCKET, env=None):
-        """tbucket ARGS in namespace `ns`, its output in NAME.out / NAME.err."""
-        env = dict(os.environ, UCX_TLS="tcp", **(env or {}))
-        out = open(self.dir / f"{name}.out", "w")
-        err = open(self.dir / f"{name}.err", "w")
-        proc = subprocess.Popen(["ip", "netns", "exec", ns, program, *args], stdout=out, stderr=err, env=env)
+    def run(self, name, *command, env=None):
+        with open(self.dir / f"{name}.out", "a") as out, open(self.dir / f"{name}.err", "a") as err:
+            proc = subprocess.Popen(command, stdout=out, stderr=err, env=env)
         proc.name = name
         self.procs.append(proc)
         return proc
@@ -76,9 +60,6 @@ class Hosts:
     def text(self, name):
         return (self.dir / f"{name}.err").read_text()
 
-    def link(self, up):
-        ip("-n", self.a, "link", "set", self.veth_a, "up" if up else "down")
-
     def close(self):
         for proc in self.procs:
             if proc.poll() is None:
@@ -89,8 +70,76 @@ class Hosts:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+class Hosts(Processes):
+    """Namespaces `a` and `b`, one veth between them: 198.18.N.1 and 198.18.N.2 (RFC 2544's
+    benchmarking range, on these veths only)."""
+
+    def __init__(self, tmp_path):
+        super().__init__(tmp_path)
+        tag = f"{os.getpid() % 100000}"
+        self.a, self.b = f"tbA{tag}", f"tbB{tag}"
+        self.veth_a, self.veth_b = f"tbva{tag}", f"tbvb{tag}"
+        subnet = os.getpid() % 250 + 1
+        self.addr_a, self.addr_b = f"198.18.{subnet}.1", f"198.18.{subnet}.2"
+        ip("netns", "add", self.a)
+        ip("netns", "add", self.b)
+        ip("link", "add", self.veth_a, "type", "veth", "peer", "name", self.veth_b)
+        ip("link", "set", self.veth_a, "netns", self.a)
+        ip("link", "set", self.veth_b, "netns", self.b)
+        for ns, veth, addr in ((self.a, self.veth_a, self.addr_a), (self.b, self.veth_b, self.addr_b)):
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
+            ip("-n", ns, "link", "set", veth, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        self.suffix = tag
+
+    def start(self, ns, name, *args, program=TBUCKET, env=None):
+        """tbucket ARGS in namespace `ns`, over UCX's TCP transport."""
+        return self.run(name, "ip", "netns", "exec", ns, program, *args,
+                        env=dict(os.environ, UCX_TLS="tcp", **(env or {})))
+
+    def link(self, up):
+        ip("-n", self.a, "link", "set", self.veth_a, "up" if up else "down")
+
+    def close(self):
+        super().close()
         ip("netns", "del", self.a, check=False)
         ip("netns", "del", self.b, check=False)
+
+
+class SameHost(Processes):
+    """No namespaces: UCX picks its shared-memory transports between the processes. A trainer
+    publishes on channel `up`; a relay republishes it on `down` for a consumer (`server`)."""
+
+    serial = itertools.count()
+
+    def __init__(self, tmp_path):
+        super().__init__(tmp_path)
+        tag = f"{os.getpid()}n{next(SameHost.serial)}"
+        self.up, self.down = f"up{tag}", f"down{tag}"
+
+    def start(self, name, *args):
+        return self.run(name, TBUCKET, *args)
+
+    def trainer(self, interval_ms):
+        """Small buckets every INTERVAL_MS, more than any test waits for."""
+        return self.start("trainer", "produce", "--channel", self.up, "--buckets", "100000", "--tensors", "4",
+                          "--tensor-bytes", "4096", "--interval-ms", str(interval_ms), "--quiet",
+                          "--timeout-ms", "60000")
+
+    def serve(self, address, name="serve", token=None):
+        return self.start(name, "serve", "--channel", self.up, "--listen", address, "--token-file",
+                          str(token or self.token))
+
+    def relay(self, address, *args):
+        return self.start("relay", "relay", "--connect", address, "--channel", self.up, "--as", self.down,
+                          "--token-file", str(self.token), *args)
+
+    def server(self, count):
+        """A consumer of `down` that verifies COUNT buckets, then exits."""
+        return self.start("server", "consume", "--channel", self.down, "--buckets", str(count), "--verify",
+                          "--json", "--quiet", "--timeout-ms", "60000")
 
 
 def make_token(path):
@@ -107,6 +156,13 @@ def hosts(tmp_path):
         ip("netns", "del", f"tbA{os.getpid() % 100000}", check=False)
         ip("netns", "del", f"tbB{os.getpid() % 100000}", check=False)
         pytest.skip(f"cannot make network namespaces: {e.stderr.strip()}")
+    yield h
+    h.close()
+
+
+@pytest.fixture
+def same_host(tmp_path):
+    h = SameHost(tmp_path)
     yield h
     h.close()
 
@@ -281,35 +337,17 @@ def test_a_byte_corrupted_on_the_wire_is_caught(hosts, fault):
 
 
 @pytest.mark.parametrize("payload", PAYLOADS)
-def test_same_host_through_shared_memory_transports(tmp_path, payload):
-    """No namespaces: UCX picks its shared-memory transports between the two processes."""
-    token = make_token(tmp_path / "token")
-    tag, count = os.getpid(), 200
+def test_same_host_through_shared_memory_transports(same_host, payload):
+    h, count, address = same_host, 200, "127.0.0.1:17005"
     tensors, tensor_bytes = PAYLOADS[payload]
-    up, down = f"sameup{tag}", f"samedown{tag}"
-    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("server", "relay", "trainer", "serve")}
-    run = lambda name, *args: subprocess.Popen([TBUCKET, *args], stdout=logs[name], stderr=subprocess.STDOUT)
-    procs = [
-        run("server", "consume", "--channel", down, "--buckets", str(count), "--verify", "--json", "--quiet",
-            "--timeout-ms", "60000"),
-        run("relay", "relay", "--connect", "127.0.0.1:17005", "--channel", up, "--as", down, "--token-file",
-            str(token), "--buckets", str(count)),
-        run("trainer", "produce", "--channel", up, "--buckets", str(count), "--tensors", tensors, "--tensor-bytes",
-            tensor_bytes, "--quiet", "--timeout-ms", "60000"),
-        run("serve", "serve", "--channel", up, "--listen", "127.0.0.1:17005", "--token-file", str(token)),
-    ]
-    try:
-        assert procs[0].wait(timeout=120) == 0, (tmp_path / "server.log").read_text()
-        lines = [json.loads(line) for line in (tmp_path / "server.log").read_text().splitlines()
-                 if line.startswith("{")]
-        assert [line["version"] for line in lines] == list(range(count))
-        assert all(line["ok"] for line in lines)
-        assert procs[1].wait(timeout=30) == 0, (tmp_path / "relay.log").read_text()
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=15)
+    server = h.server(count)
+    relay = h.relay(address, "--buckets", str(count))
+    h.start("trainer", "produce", "--channel", h.up, "--buckets", str(count), "--tensors", tensors, "--tensor-bytes",
+            tensor_bytes, "--quiet", "--timeout-ms", "60000")
+    h.serve(address)
+    assert server.wait(timeout=120) == 0, h.text("server")
+    assert buckets(h, "server") == list(range(count))
+    assert relay.wait(timeout=30) == 0, h.text("relay")
 
 
 def listening_addresses(pid):
@@ -335,46 +373,28 @@ def listening_addresses(pid):
     return addresses
 
 
-def test_connections_that_never_prove_the_token_are_capped_and_refused(tmp_path):
+def test_connections_that_never_prove_the_token_are_capped_and_refused(same_host):
     """Nine links that never send a proof: the server challenges eight, turns the ninth away,
     refuses the eight after 3 s, and a genuine relay that came meanwhile gets in after them."""
-    token = make_token(tmp_path / "token")
-    tag, count, address = os.getpid(), 20, "127.0.0.1:17006"
-    up, down = f"capup{tag}", f"capdown{tag}"
-    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("server", "relay", "trainer", "serve")}
-    run = lambda name, *args: subprocess.Popen([TBUCKET, *args], stdout=logs[name], stderr=subprocess.STDOUT)
-    procs = [
-        run("trainer", "produce", "--channel", up, "--buckets", "100000", "--tensors", "4", "--tensor-bytes", "4096",
-            "--interval-ms", "5", "--quiet", "--timeout-ms", "60000"),
-        run("serve", "serve", "--channel", up, "--listen", address, "--token-file", str(token)),
-    ]
-    try:
-        wait_for(lambda: "on 127.0.0.1" in (tmp_path / "serve.log").read_text(), 30, "serve to listen")
-        silent = subprocess.Popen([os.environ["TBUCKET_SILENT_PEER"], address, "9", "6"], stdout=subprocess.PIPE,
-                                  text=True)
-        wait_for(lambda: "proving the token already" in (tmp_path / "serve.log").read_text(), 30,
-                 "the ninth link to be turned away")
-        procs.append(run("relay", "relay", "--connect", address, "--channel", up, "--as", down, "--token-file",
-                         str(token)))
-        procs.append(run("server", "consume", "--channel", down, "--buckets", str(count), "--verify", "--json",
-                         "--quiet", "--timeout-ms", "60000"))
-        out, _ = silent.communicate(timeout=60)
-        assert out.split() == ["challenged", "8", "refused", "8", "cut", "9"], out
-        # UCX's own listening sockets (its TCP transport's) are held to the listen address's
-        # interface too, not opened on every interface.
-        wait_for(lambda: "connected to" in (tmp_path / "relay.log").read_text(), 30, "the relay to get in")
-        assert listening_addresses(procs[1].pid) == {"127.0.0.1"}
-        assert listening_addresses(procs[2].pid) == {"127.0.0.1"}  # the relay's, towards the server
-        assert "no proof of the token within 3 s" in (tmp_path / "serve.log").read_text()
-        assert procs[-1].wait(timeout=60) == 0, (tmp_path / "relay.log").read_text()
-        lines = [json.loads(line) for line in (tmp_path / "server.log").read_text().splitlines()
-                 if line.startswith("{")]
-        assert len(lines) == count and all(line["ok"] for line in lines)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=15)
+    h, count, address = same_host, 20, "127.0.0.1:17006"
+    h.trainer(interval_ms=5)
+    serve = h.serve(address)
+    wait_for(lambda: "on 127.0.0.1" in h.text("serve"), 30, "serve to listen")
+    silent = subprocess.Popen([os.environ["TBUCKET_SILENT_PEER"], address, "9", "6"], stdout=subprocess.PIPE,
+                              text=True)
+    wait_for(lambda: "proving the token already" in h.text("serve"), 30, "the ninth link to be turned away")
+    relay = h.relay(address)
+    server = h.server(count)
+    out, _ = silent.communicate(timeout=60)
+    assert out.split() == ["challenged", "8", "refused", "8", "cut", "9"], out
+    # UCX's own listening sockets (its TCP transport's) are held to the listen address's
+    # interface too, not opened on every interface.
+    wait_for(lambda: "connected to" in h.text("relay"), 30, "the relay to get in")
+    assert listening_addresses(serve.pid) == {"127.0.0.1"}
+    assert listening_addresses(relay.pid) == {"127.0.0.1"}  # the relay's, towards the server
+    assert "no proof of the token within 3 s" in h.text("serve")
+    assert server.wait(timeout=60) == 0, h.text("relay")
+    assert len(buckets(h, "server")) == count
 
 
 def anonymous_rss_mib(pid):
@@ -384,94 +404,57 @@ def anonymous_rss_mib(pid):
     raise AssertionError(f"no RssAnon for {pid}")
 
 
-def test_a_flood_from_links_without_the_token_neither_piles_up_nor_stalls_a_relay(tmp_path):
+def test_a_flood_from_links_without_the_token_neither_piles_up_nor_stalls_a_relay(same_host):
     """Eight links that never prove the token send tiny messages under keys no link has, as fast
     as they can, until the server cuts them off: the server's memory stays put and the relay
     it serves meanwhile is neither dropped nor late."""
-    token = make_token(tmp_path / "token")
-    tag, count, address = os.getpid(), 300, "127.0.0.1:17008"
-    up, down = f"floodup{tag}", f"flooddown{tag}"
-    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("server", "relay", "trainer", "serve")}
-    run = lambda name, *args: subprocess.Popen([TBUCKET, *args], stdout=logs[name], stderr=subprocess.STDOUT)
-    procs = [
-        run("trainer", "produce", "--channel", up, "--buckets", "100000", "--tensors", "4", "--tensor-bytes", "4096",
-            "--interval-ms", "10", "--quiet", "--timeout-ms", "60000"),
-        run("serve", "serve", "--channel", up, "--listen", address, "--token-file", str(token)),
-    ]
-    try:
-        wait_for(lambda: "on 127.0.0.1" in (tmp_path / "serve.log").read_text(), 30, "serve to listen")
-        procs.append(run("relay", "relay", "--connect", address, "--channel", up, "--as", down, "--token-file",
-                         str(token)))
-        procs.append(run("server", "consume", "--channel", down, "--buckets", str(count), "--verify", "--json",
-                         "--quiet", "--timeout-ms", "60000"))
-        wait_for(lambda: "serving 127.0.0.1" in (tmp_path / "serve.log").read_text(), 30, "the relay to get in")
-        before = anonymous_rss_mib(procs[1].pid)
-        flood = subprocess.Popen([os.environ["TBUCKET_SILENT_PEER"], address, "8", "5", "flood"],
-                                 stdout=subprocess.PIPE, text=True)
-        peak = before
-        while flood.poll() is None:
-            peak = max(peak, anonymous_rss_mib(procs[1].pid))
-            time.sleep(0.05)
-        out = flood.stdout.read().split()
-        assert out[:2] == ["challenged", "8"] and out[4:6] == ["cut", "8"], out  # all cut off, after 3 s
-        assert int(out[7]) > 100_000, out  # the flood did flood
-        assert peak - before < 64, f"serve grew from {before:.0f} to {peak:.0f} MiB under the flood"
-        assert procs[-1].wait(timeout=60) == 0, (tmp_path / "server.log").read_text()
-        lines = [json.loads(line) for line in (tmp_path / "server.log").read_text().splitlines()
-                 if line.startswith("{")]
-        assert len(lines) == count and all(line["ok"] for line in lines)
-        assert "dropped" not in (tmp_path / "serve.log").read_text()
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=15)
+    h, count, address = same_host, 300, "127.0.0.1:17008"
+    h.trainer(interval_ms=10)
+    serve = h.serve(address)
+    wait_for(lambda: "on 127.0.0.1" in h.text("serve"), 30, "serve to listen")
+    h.relay(address)
+    server = h.server(count)
+    wait_for(lambda: "serving 127.0.0.1" in h.text("serve"), 30, "the relay to get in")
+    before = anonymous_rss_mib(serve.pid)
+    flood = subprocess.Popen([os.environ["TBUCKET_SILENT_PEER"], address, "8", "5", "flood"],
+                             stdout=subprocess.PIPE, text=True)
+    peak = before
+    while flood.poll() is None:
+        peak = max(peak, anonymous_rss_mib(serve.pid))
+        time.sleep(0.05)
+    out = flood.stdout.read().split()
+    assert out[:2] == ["challenged", "8"] and out[4:6] == ["cut", "8"], out  # all cut off, after 3 s
+    assert int(out[7]) > 100_000, out  # the flood did flood
+    assert peak - before < 64, f"serve grew from {before:.0f} to {peak:.0f} MiB under the flood"
+    assert server.wait(timeout=60) == 0, h.text("server")
+    assert len(buckets(h, "server")) == count
+    assert "dropped" not in h.text("serve")
 
 
-def test_a_relay_once_served_outlasts_a_refusal_of_its_token(tmp_path):
+def test_a_relay_once_served_outlasts_a_refusal_of_its_token(same_host):
     """A relay refused at its first connect exits (test_wrong_token_is_refused); once a server
     took its token, whatever refuses it later (here another server on the same port, with
     another token, as an impostor would be) is tried again, and it resumes when the real server
     is back."""
-    token, other = make_token(tmp_path / "token"), make_token(tmp_path / "other-token")
-    tag, count, address = os.getpid(), 400, "127.0.0.1:17009"
-    up, down = f"outlastup{tag}", f"outlastdown{tag}"
-    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("server", "relay", "trainer", "serve", "impostor")}
-    run = lambda name, *args: subprocess.Popen([TBUCKET, *args], stdout=logs[name], stderr=subprocess.STDOUT)
-    text = lambda name: (tmp_path / f"{name}.log").read_text()
-    serve = lambda name, token_file: run(name, "serve", "--channel", up, "--listen", address, "--token-file",
-                                         str(token_file))
-    trainer = run("trainer", "produce", "--channel", up, "--buckets", "100000", "--tensors", "4", "--tensor-bytes",
-                  "4096", "--interval-ms", "10", "--quiet", "--timeout-ms", "60000")
-    procs = [trainer, serve("serve", token)]
-    try:
-        wait_for(lambda: "on 127.0.0.1" in text("serve"), 30, "serve to listen")
-        relay = run("relay", "relay", "--connect", address, "--channel", up, "--as", down, "--token-file", str(token))
-        consumer = run("server", "consume", "--channel", down, "--buckets", str(count), "--verify", "--json",
-                       "--quiet", "--timeout-ms", "60000")
-        procs += [relay, consumer]
-        wait_for(lambda: text("server").count("\n") >= 20, 30, "buckets through the relay")
-        procs[1].send_signal(signal.SIGTERM)
-        procs[1].wait(timeout=15)
-        impostor = serve("impostor", other)
-        procs.append(impostor)
-        wait_for(lambda: text("impostor").count("wrong token") >= 2, 30, "the relay to try again after a refusal")
-        assert relay.poll() is None, text("relay")
-        assert consumer.poll() is None, "the consumer finished before the impostor came"
-        impostor.send_signal(signal.SIGTERM)
-        impostor.wait(timeout=15)
-        procs.append(serve("serve", token))
-        assert consumer.wait(timeout=60) == 0, text("server")
-        lines = [json.loads(line) for line in text("server").splitlines() if line.startswith("{")]
-        assert len(lines) == count and all(line["ok"] for line in lines)
-        versions = [line["version"] for line in lines]
-        assert versions == sorted(set(versions)), "a bucket delivered twice or out of order"
-        assert "Unauthorized" in text("relay") and "reconnecting" in text("relay"), text("relay")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=15)
+    h, count, address = same_host, 400, "127.0.0.1:17009"
+    h.trainer(interval_ms=10)
+    serve = h.serve(address)
+    wait_for(lambda: "on 127.0.0.1" in h.text("serve"), 30, "serve to listen")
+    relay = h.relay(address)
+    server = h.server(count)
+    wait_for(lambda: len(h.lines("server")) >= 20, 30, "buckets through the relay")
+    serve.send_signal(signal.SIGTERM)
+    serve.wait(timeout=15)
+    impostor = h.serve(address, name="impostor", token=make_token(h.dir / "other-token"))
+    wait_for(lambda: h.text("impostor").count("wrong token") >= 2, 30, "the relay to try again after a refusal")
+    assert relay.poll() is None, h.text("relay")
+    assert server.poll() is None, "the consumer finished before the impostor came"
+    impostor.send_signal(signal.SIGTERM)
+    impostor.wait(timeout=15)
+    h.serve(address)
+    assert server.wait(timeout=60) == 0, h.text("server")
+    assert len(buckets(h, "server")) == count  # each verified, none twice, in order
+    assert "Unauthorized" in h.text("relay") and "reconnecting" in h.text("relay"), h.text("relay")
 
 
 def resolves_through_resolv_conf():
