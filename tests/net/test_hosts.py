@@ -118,9 +118,10 @@ class SameHost(Processes):
         super().__init__(tmp_path)
         tag = f"{os.getpid()}n{next(SameHost.serial)}"
         self.up, self.down = f"up{tag}", f"down{tag}"
+        self.program = TBUCKET
 
     def start(self, name, *args):
-        return self.run(name, TBUCKET, *args)
+        return self.run(name, self.program, *args)
 
     def trainer(self, interval_ms):
         """Small buckets every INTERVAL_MS, more than any test waits for."""
@@ -136,10 +137,10 @@ class SameHost(Processes):
         return self.start("relay", "relay", "--connect", address, "--channel", self.up, "--as", self.down,
                           "--token-file", str(self.token), *args)
 
-    def server(self, count):
+    def server(self, count, *args):
         """A consumer of `down` that verifies COUNT buckets, then exits."""
         return self.start("server", "consume", "--channel", self.down, "--buckets", str(count), "--verify",
-                          "--json", "--quiet", "--timeout-ms", "60000")
+                          "--json", "--quiet", "--timeout-ms", "60000", *args)
 
 
 def make_token(path):
@@ -344,6 +345,33 @@ def test_same_host_through_shared_memory_transports(same_host, payload):
     relay = h.relay(address, "--buckets", str(count))
     h.start("trainer", "produce", "--channel", h.up, "--buckets", str(count), "--tensors", tensors, "--tensor-bytes",
             tensor_bytes, "--quiet", "--timeout-ms", "60000")
+    h.serve(address)
+    assert server.wait(timeout=120) == 0, h.text("server")
+    assert buckets(h, "server") == list(range(count))
+    assert relay.wait(timeout=30) == 0, h.text("relay")
+
+
+# Where the trainer's channel lives, where the relay's does, and the payload: a device
+# channel's payload is copied to host memory to be served, and a relay republishes wherever its
+# own channel lives.
+ROUTES = {"device_to_device": ("cuda:0", "cuda:1", "chunks"), "device_to_host": ("cuda:1", "host", "whole"),
+          "host_to_device": ("host", "cuda:0", "chunks_in_place")}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_device_channels_are_served_and_relayed_through_host_memory(same_host, route):
+    """Every process on the host stand-in of the CUDA driver (tests/device_standin.hpp), whose
+    device memory is host memory, so that this runs without a GPU; scripts/gpu-check has no
+    network case."""
+    h, count, address = same_host, 100, "127.0.0.1:17010"
+    source, target, payload = ROUTES[route]
+    tensors, tensor_bytes = PAYLOADS[payload]
+    h.program = os.environ["TBUCKET_DEVICE_STANDIN"]
+    # The consumer refuses a channel whose payloads live elsewhere than the relay was told.
+    server = h.server(count, "--device", target.split(":")[0])
+    relay = h.relay(address, "--device", target, "--buckets", str(count))
+    h.start("trainer", "produce", "--channel", h.up, "--device", source, "--buckets", str(count), "--tensors",
+            tensors, "--tensor-bytes", tensor_bytes, "--quiet", "--timeout-ms", "60000")
     h.serve(address)
     assert server.wait(timeout=120) == 0, h.text("server")
     assert buckets(h, "server") == list(range(count))
