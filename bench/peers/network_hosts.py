@@ -91,6 +91,23 @@ def perftest(test, size, iterations, port):
     return {"latency_median_us": values[1], "bandwidth_MBps": values[4]}
 
 
+def stop(tbucket, processes, channels):
+    """Stops those of `processes` still running (SIGTERM, then SIGKILL after 10 s), then removes
+    what a producer killed there left of `channels` in /dev/shm: slots of 256 MiB, which would
+    otherwise pile up in memory round after round."""
+    for proc in processes:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in processes:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for channel in channels:
+        subprocess.run([tbucket, "rm", channel], capture_output=True)  # nothing left: it says so
+
+
 # Publishes COUNT buckets, INTERVAL seconds apart at least (0: as fast as slots come free).
 TRAINER = textwrap.dedent("""
     import sys, time, torch, tensorbucket as tb
@@ -148,10 +165,7 @@ def ours_throughput(tbucket, token, port, buckets):
         trainer.wait(timeout=60)
     finally:
         cpu_seconds = cpu.stop()
-        for proc in (serve, relay, trainer, consumer):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        stop(tbucket, (serve, relay, trainer, consumer), (up, down))
     rate = re.search(r"([0-9.]+) MiB/s", out)
     if not rate:
         sys.exit(f"the relay printed no rate:\n{out}")
@@ -173,9 +187,7 @@ def perftest_beside_trainer(tbucket, port, bucket_seconds):
             sys.exit("the trainer or consumer beside ucx_perftest ended early")
         return perftest("tag_bw", BIG, 20, port)["bandwidth_MBps"]
     finally:
-        for proc in (trainer, consumer):
-            proc.kill()
-            proc.wait()
+        stop(tbucket, (trainer, consumer), (channel,))
 
 
 # The trainer's version is CLOCK_MONOTONIC just before publish() (the hosts share the machine's
@@ -227,10 +239,7 @@ def ours_latency(tbucket, token, port, buckets, in_turns):
         out, _ = consumer.communicate(timeout=600)
         published, _ = trainer.communicate(timeout=60)
     finally:
-        for proc in (serve, relay, trainer):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        stop(tbucket, (serve, relay, trainer, consumer), (up, down))
         if in_turns:
             os.close(take_turn)
             os.close(give_turn)
