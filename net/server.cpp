@@ -1,12 +1,15 @@
 // The serve side: a local consumer that sends each bucket to its authenticated peers.
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <array>
+#include <future>
 #include <list>
 #include <memory>
 #include <optional>
+#include <system_error>
 #include <vector>
 
 #include "tensorbucket/channel.hpp"
@@ -65,6 +68,59 @@ struct Peer {
   bool serving() const { return authenticated && live(); }
 };
 
+// The payload hash of a bucket that goes in chunks, computed on a thread of its own while the
+// chunks go out. The server sets the pace of a large transfer: its copy into the socket is the
+// slowest step, and hashing between its sends made each bucket take that much longer
+// (bench/RESULTS.md, issue 22). The payload must stay put until stop() returned.
+class PayloadHash {
+ public:
+  PayloadHash() = default;
+  PayloadHash(const PayloadHash&) = delete;
+  PayloadHash& operator=(const PayloadHash&) = delete;
+  ~PayloadHash() { stop(); }
+
+  void start(std::span<const std::byte> payload) {
+    stop();
+    try {
+      running_ = std::async(std::launch::async, [this, payload] { return hash(payload); });
+    } catch (const std::system_error&) {  // no thread to be had: here, then
+      value_ = hash(payload);
+    }
+  }
+
+  // The hash, once done (it stays where it is until stop()); nullptr while it runs.
+  const std::uint64_t* ready() {
+    if (running_.valid() && running_.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+      value_ = running_.get();
+    }
+    return value_ ? &*value_ : nullptr;
+  }
+
+  // Ends the hash under way, at its next chunk: its payload may go.
+  void stop() noexcept {
+    if (running_.valid()) {
+      stopping_.store(true, std::memory_order_relaxed);
+      running_.wait();
+      running_ = {};
+      stopping_.store(false, std::memory_order_relaxed);
+    }
+    value_.reset();
+  }
+
+ private:
+  std::uint64_t hash(std::span<const std::byte> payload) const {
+    ChunkedHash hash(chunk_count(payload.size(), kChunkBytes));
+    for (std::uint64_t at = 0; at < payload.size() && !stopping_.load(std::memory_order_relaxed); at += kChunkBytes) {
+      hash.add(payload.subspan(at, std::min<std::uint64_t>(kChunkBytes, payload.size() - at)));
+    }
+    return hash.value();
+  }
+
+  std::future<std::uint64_t> running_;
+  std::atomic<bool> stopping_{false};
+  std::optional<std::uint64_t> value_;
+};
+
 // Finished requests leave; false while any is under way. A failed one fails the peer.
 bool settle(Peer& peer) {
   try {
@@ -96,9 +152,7 @@ struct ServerState {
   std::optional<ReceivedBucket> current;  // being sent; its lease held until every send is done
   std::span<const std::byte> payload;      // its payload, on the host
   std::span<const std::byte> on_wire;      // what is sent of it: the same bytes (but in a test build)
-  std::uint64_t hashed = 0;                // bytes of it hashed, as the peer furthest along needs them
-  std::optional<ChunkedHash> current_hash;
-  std::uint64_t current_hash_value = 0;    // sent after the chunks, to each peer
+  PayloadHash payload_hash;                // of a payload in chunks: sent after them, to each peer
   Clock::time_point current_deadline{};
   std::uint64_t served = 0;
   std::string address;
@@ -109,7 +163,8 @@ struct ServerState {
     for (auto& peer : peers) detail::close(worker, peer.endpoint, kCloseLimit);
     peers.clear();
     for (auto& receive : lingering) receive.request.cancel();  // while the worker lives; the bytes go after it
-    current.reset();  // after the peers: their sends read its slot
+    payload_hash.stop();
+    current.reset();  // after the peers and the hash: they read its slot
     if (listener != nullptr) {
       for (auto* request : incoming) ucp_listener_reject(listener, request);
       ucp_listener_destroy(listener);
@@ -276,6 +331,7 @@ struct ServerState {
   void announce_current() {
     auto& bucket = *current;
     const auto& view = bucket.view();
+    payload_hash.stop();  // before `staged` is written again
     payload = view.payload();
     if (!view.location().on_host()) {
       staged = bucket.copy_to_host();
@@ -283,8 +339,6 @@ struct ServerState {
     }
     auto frame = view.frame();
     on_wire = payload;
-    hashed = 0;
-    current_hash.emplace(chunk_count(payload.size(), kChunkBytes));
 #ifdef TENSORBUCKET_WIRE_FAULT
     // Test builds only (tests/meson.build): one payload byte of the bucket whose sequence
     // TBUCKET_WIRE_FAULT names flips on the wire, after the server hashed it; with
@@ -308,6 +362,8 @@ struct ServerState {
       announce.whole_offset = (message_bytes + kPayloadAlignment - 1) / kPayloadAlignment * kPayloadAlignment;
       announce.whole_hash = hash_as_one_chunk(payload);
       message_bytes = announce.whole_offset + payload.size();
+    } else {
+      payload_hash.start(payload);
     }
     bool any = false;
     for (auto& peer : peers) {
@@ -344,24 +400,20 @@ struct ServerState {
   }
 
   // Sends each peer taking the current bucket its next chunks, kChunksInFlight at most under
-  // way, so that a slow peer holds back only itself; after its last chunk, the hash. A chunk is
-  // hashed when the peer furthest along needs it, just before it goes out: the network stack
-  // then reads it from the cache.
+  // way, so that a slow peer holds back only itself; after its last chunk, the hash, once
+  // payload_hash has it.
   void send_chunks() {
     for (auto& peer : peers) {
       if (!peer.live() || !peer.taking) continue;
       while (peer.posted < on_wire.size() && peer.bucket_sends.size() < kChunksInFlight) {
         auto size = std::min<std::uint64_t>(kChunkBytes, on_wire.size() - peer.posted);
-        if (peer.posted == hashed) {
-          current_hash->add(payload.subspan(hashed, size));
-          hashed += size;
-          if (hashed == payload.size()) current_hash_value = current_hash->value();
-        }
         if (!send_or_fail(peer, on_wire.subspan(peer.posted, size), Kind::Payload)) break;
         peer.posted += size;
       }
       if (peer.posted == on_wire.size() && peer.bucket_sends.size() < kChunksInFlight) {
-        send_or_fail(peer, std::as_bytes(std::span(&current_hash_value, 1)), Kind::PayloadHash);
+        const auto* hash = payload_hash.ready();
+        if (hash == nullptr) continue;  // still hashing: a later turn sends it
+        send_or_fail(peer, std::as_bytes(std::span(hash, 1)), Kind::PayloadHash);
         peer.taking = false;
       }
     }
@@ -412,7 +464,8 @@ struct ServerState {
         pace.after(moved);
         return;
       }
-      current.reset();  // every send is done: the slot's bytes are no longer read
+      payload_hash.stop();  // done, or no peer is left to take it
+      current.reset();      // every send is done: the slot's bytes are no longer read
     }
     // No bucket is taken while no peer is there to take it: a producer waits for the first
     // relay as it waits for any consumer (under `Block`), and a relay starts at the oldest
