@@ -856,8 +856,9 @@ void ReceivedBucket::wait_ready() const {
 
 std::vector<std::byte> ReceivedBucket::copy_to_host() const {
   if (!lease_) fail(ErrorCode::InvalidArgument, "bucket ", sequence_, " was released");
-  std::uint64_t end = 0;
-  for (const auto& entry : view_.manifest().entries) end = std::max(end, entry.byte_offset + entry.byte_length);
+  // All of the payload, the padding after each entry included: what its checksum covers, and
+  // the bytes serve sends of a device bucket.
+  auto end = view_.payload().size();
   const auto& mapping = lease_->mapping;
   std::vector<std::byte> copy(end);
   if (!mapping.imported) {

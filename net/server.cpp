@@ -335,7 +335,7 @@ struct ServerState {
     payload = view.payload();
     if (!view.location().on_host()) {
       staged = bucket.copy_to_host();
-      payload = std::span<const std::byte>(staged).first(view.payload().size());
+      payload = staged;
     }
     auto frame = view.frame();
     on_wire = payload;

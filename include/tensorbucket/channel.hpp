@@ -216,8 +216,8 @@ class ReceivedBucket {
   std::uint64_t publish_start_ns() const noexcept { return publish_start_ns_; }
   std::uint64_t published_ns() const noexcept { return published_ns_; }
 
-  // The payload's bytes (to the end of its last entry) copied into host memory, waiting for
-  // the copy: for tools and checks. A device bucket's fast path never leaves the device.
+  // The payload's bytes (all of them, as view().payload() spans them) copied into host memory,
+  // waiting for the copy: for tools and checks. A device bucket's fast path never leaves the device.
   std::vector<std::byte> copy_to_host() const;
 
   // Waits on the host until a device bucket's bytes are ready on the stream it was received
