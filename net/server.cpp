@@ -433,7 +433,9 @@ struct ServerState {
   void heartbeats() {
     auto now = Clock::now();
     for (auto& peer : peers) {
-      if (peer.serving() && peer.bucket_sends.empty() && now - peer.last_sent > kHeartbeatEvery) {
+      // Not while the last small message is still queued: a peer that stopped reading would
+      // otherwise gather two a second for as long as the channel is idle.
+      if (peer.serving() && peer.bucket_sends.empty() && peer.small.empty() && now - peer.last_sent > kHeartbeatEvery) {
         std::uint64_t beat = 0;
         send_small(peer, Kind::Heartbeat, &beat, sizeof beat);
         peer.last_sent = now;
@@ -491,7 +493,17 @@ struct ServerState {
       worker.wait(kLocalSlice);
       return;
     }
-    auto bucket = subscriber.next(kLocalSlice);
+    std::optional<ReceivedBucket> bucket;
+    try {
+      bucket = subscriber.next(kLocalSlice);
+    } catch (const Error& e) {
+      // The subscriber has skipped the bad bucket; serve goes on with the next one rather
+      // than leave every relay without the channel.
+      if (!failed_verification(e.code())) throw;
+      log("skipped a bucket of the channel that failed its checks: " + std::string(to_string(e.code())) + ": " +
+          e.what());
+      return;
+    }
     if (!bucket) return;
     current = std::move(bucket);
     announce_current();

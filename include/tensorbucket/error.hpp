@@ -52,6 +52,30 @@ enum class ErrorCode : std::uint8_t {
 // The enumerator's name, e.g. "ChecksumMismatch".
 std::string_view to_string(ErrorCode code) noexcept;
 
+// True for the codes of a bucket that failed its checks (docs/format.md) or was torn while
+// read. A subscriber skips such a bucket; the next one may be fine.
+constexpr bool failed_verification(ErrorCode code) noexcept {
+  switch (code) {
+    case ErrorCode::MissingManifest:
+    case ErrorCode::MissingPayload:
+    case ErrorCode::HeaderCorrupt:
+    case ErrorCode::ManifestCorrupt:
+    case ErrorCode::ChecksumMismatch:
+    case ErrorCode::UnsupportedDtype:
+    case ErrorCode::BadName:
+    case ErrorCode::BadShape:
+    case ErrorCode::OutOfBounds:
+    case ErrorCode::Overlap:
+    case ErrorCode::Misaligned:
+    case ErrorCode::DuplicateName:
+    case ErrorCode::IncompleteGroup:
+    case ErrorCode::Unmaterialized:
+    case ErrorCode::ManifestMismatch:
+    case ErrorCode::Torn: return true;
+    default: return false;
+  }
+}
+
 class Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message, std::string details = {})

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,3 +261,39 @@ def test_a_stalled_relay_holds_back_only_itself(tmp_path, procs):
     versions = [line["version"] for line in lines]
     assert all(a < b for a, b in zip(versions, versions[1:])), versions
     assert (tmp_path / "steady.log").read_text().count("connected to") == 1, (tmp_path / "steady.log").read_text()
+
+
+def test_a_bucket_that_fails_its_checks_is_skipped_and_serving_goes_on(tmp_path, procs):
+    """A payload byte changed in its slot after the producer published it under its checksum:
+    `tbucket serve` skips that bucket with a line saying why, and goes on serving the next."""
+    token = make_token(tmp_path / "token")
+    tag = os.getpid()
+    up, down = f"badup{tag}", f"baddown{tag}"
+    address = f"127.0.0.1:{free_port()}"
+    with tensorbucket.Publisher(up, slots=2, checksum=True) as publisher:
+        publisher.publish({"w": torch.full((1024,), 1.5)}, version=1, timeout=10)
+        pattern = torch.full((1024,), 1.5).numpy().tobytes()
+        damaged = 0
+        for slot in Path("/dev/shm").glob(f"tensorbucket.{up}.slot*"):
+            with open(slot, "r+b") as f:
+                data = f.read()
+                at = data.find(pattern)
+                if at >= 0:
+                    f.seek(at + 100)
+                    f.write(b"\x01")
+                    damaged += 1
+        assert damaged == 1, "the slot holding version 1"
+        publisher.publish({"w": torch.full((1024,), 2.5)}, version=2, timeout=10)
+        serve_log = open(tmp_path / "serve.log", "w")
+        serve = subprocess.Popen([TBUCKET, "serve", "--channel", up, "--listen", address, "--token-file", str(token)],
+                                 stdout=serve_log, stderr=subprocess.STDOUT)
+        procs.append(serve)
+        relay(procs, tmp_path, "relay", address, up, down, token)
+        with tensorbucket.Subscriber(down, timeout=30) as subscriber:
+            bucket = subscriber.next(timeout=30)
+            assert bucket is not None, (tmp_path / "relay.log").read_text()
+            assert bucket.version == 2 and torch.equal(bucket["w"], torch.full((1024,), 2.5))
+            bucket.release()
+        log = (tmp_path / "serve.log").read_text()
+        assert "skipped a bucket of the channel that failed its checks: ChecksumMismatch" in log, log
+        assert serve.poll() is None, log
