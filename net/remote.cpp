@@ -382,11 +382,14 @@ struct RemoteState {
         owner = buffer;
       }
       hash = receive_payload(payload, announce.chunk_bytes);
+      // serve may still be hashing (on a thread of its own, with a link faster than its
+      // hash); its heartbeats meanwhile keep the link, as between buckets.
       std::vector<std::byte> hash_message;
-      if (!take(Kind::PayloadHash, hash_message, sizeof sent_hash, Clock::now() + options.idle_timeout) ||
-          hash_message.size() != sizeof sent_hash) {
-        lost("no payload hash after the payload");
+      while (!take(Kind::PayloadHash, hash_message, sizeof sent_hash, Clock::now() + 50ms)) {
+        skip_heartbeats();
+        refused_or_silent();
       }
+      if (hash_message.size() != sizeof sent_hash) lost("a malformed payload hash");
       std::memcpy(&sent_hash, hash_message.data(), sizeof sent_hash);
     }
     if (hash != sent_hash) {
