@@ -12,6 +12,8 @@
 #include <system_error>
 #include <vector>
 
+#include <unistd.h>
+
 #include "tensorbucket/channel.hpp"
 #include "tensorbucket/error.hpp"
 #include "tensorbucket/net.hpp"
@@ -156,6 +158,7 @@ struct ServerState {
   Clock::time_point current_deadline{};
   std::uint64_t served = 0;
   std::string address;
+  pid_t pid = ::getpid();  // the serving process; a forked child inherits this, not the role
 
   ServerState(Subscriber sub, const ServeOptions& serve, const std::string& interface)
       : options(serve), subscriber(std::move(sub)), worker(interface) {}
@@ -552,6 +555,11 @@ Server::~Server() { close(); }
 
 void Server::serve_for(std::chrono::milliseconds duration) {
   if (!state_) throw Error(ErrorCode::InvalidArgument, "serve_for() on a closed server");
+  if (state_->pid != ::getpid()) {
+    throw Error(ErrorCode::InvalidArgument, "the server of " + state_->address + " belongs to process " +
+                                                std::to_string(state_->pid) + "; process " + std::to_string(::getpid()) +
+                                                " was forked from it and cannot serve");
+  }
   auto until = detail::Clock::now() + duration;
   while (detail::Clock::now() < until) {
     try {
@@ -574,6 +582,11 @@ std::uint32_t Server::peers() const noexcept {
 
 std::uint64_t Server::buckets_served() const noexcept { return state_ ? state_->served : 0; }
 
-void Server::close() noexcept { state_.reset(); }
+void Server::close() noexcept {
+  // A forked child's copy of the state is left as it is: tearing it down would close the
+  // parent's links on sockets the two share, and wait for a hashing thread the child lacks.
+  if (state_ && state_->pid != ::getpid()) static_cast<void>(state_.release());
+  state_.reset();
+}
 
 }  // namespace tensorbucket::net

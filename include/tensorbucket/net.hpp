@@ -72,14 +72,18 @@ class Server {
 
   // Serves for `duration`: admits and authenticates peers, sends every new bucket to the peers
   // in the game, drops the slow and the dead. Problems with one peer are logged (stderr) and
-  // drop that peer only; errors of the local channel are thrown as Subscriber::next() throws
-  // them, but for ProducerGone (the server waits for the channel's next producer).
+  // drop that peer only; so is a local bucket that fails its checks, which is skipped. Other
+  // errors of the local channel are thrown as Subscriber::next() throws them, but for
+  // ProducerGone (the server waits for the channel's next producer). InvalidArgument in a
+  // child forked from the serving process: the server stays the parent's.
   void serve_for(std::chrono::milliseconds duration);
 
   std::string address() const;       // what it listens on, the port resolved
   std::uint32_t peers() const noexcept;        // authenticated peers now
   std::uint64_t buckets_served() const noexcept;  // buckets sent to at least one peer
-  void close() noexcept;  // disconnects every peer, detaches from the channel
+  // Disconnects every peer, detaches from the channel. In a forked child it only lets go of
+  // the server: the links, the channel and the hashing thread are the parent's.
+  void close() noexcept;
 
  private:
   explicit Server(std::unique_ptr<detail::ServerState> state);

@@ -297,3 +297,44 @@ def test_a_bucket_that_fails_its_checks_is_skipped_and_serving_goes_on(tmp_path,
         log = (tmp_path / "serve.log").read_text()
         assert "skipped a bucket of the channel that failed its checks: ChecksumMismatch" in log, log
         assert serve.poll() is None, log
+
+
+def test_a_forked_child_leaves_the_server_to_its_parent(tmp_path, procs):
+    """A child forked from a serving process, which closes what it inherited (as a worker
+    process might): serve() there refuses, close() lets go without touching the links it shares
+    with the parent, and the parent goes on serving the same relay, with no reconnect."""
+    token = make_token(tmp_path / "token")
+    tag = os.getpid()
+    up, down = f"forkup{tag}", f"forkdown{tag}"
+    with tensorbucket.Publisher(up, slots=2) as publisher, \
+            tensorbucket.Server(up, f"127.0.0.1:{free_port()}", token, timeout=30) as server:
+        relay(procs, tmp_path, "relay", server.address, up, down, token)
+        with tensorbucket.Subscriber(down, timeout=30) as subscriber:
+
+            def through(version):  # serve in slices, on this thread, until the relay's consumer has it
+                publisher.publish(weights(version), version=version, timeout=30)
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    server.serve(0.05)
+                    bucket = subscriber.next(timeout=0)
+                    if bucket is not None:
+                        assert bucket.version == version and torch.equal(bucket["scale"], weights(version)["scale"])
+                        bucket.release()
+                        return
+                pytest.fail(f"version {version} did not come through: {(tmp_path / 'relay.log').read_text()}")
+
+            through(0)
+            child = os.fork()
+            if child == 0:  # no pytest here: the exit status says how it went
+                status = 1
+                try:
+                    server.serve(0.1)
+                except tensorbucket.InvalidArgument as e:
+                    status = 0 if "forked" in str(e) else 2
+                server.close()
+                os._exit(status)
+            assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+            for version in range(1, 6):
+                through(version)
+            log = (tmp_path / "relay.log").read_text()  # before the server closes
+            assert log.count("connected to") == 1 and "reconnecting" not in log, log
