@@ -217,7 +217,8 @@ class ReceivedBucket {
   std::uint64_t published_ns() const noexcept { return published_ns_; }
 
   // The payload's bytes (all of them, as view().payload() spans them) copied into host memory,
-  // waiting for the copy: for tools and checks. A device bucket's fast path never leaves the device.
+  // waiting for the copy: for tools and checks. A device bucket's fast path never leaves the
+  // device.
   std::vector<std::byte> copy_to_host() const;
 
   // Waits on the host until a device bucket's bytes are ready on the stream it was received
