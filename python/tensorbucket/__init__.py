@@ -594,14 +594,18 @@ class Server:
     def serve(self, duration: Optional[float] = None) -> None:
         """Serve for `duration` seconds (None: until close() from another thread, or Ctrl+C).
 
-        Problems with one relay are logged to stderr and drop that relay only. Raises what
-        Subscriber.next() raises for the local channel, but for ProducerGone: the server waits
-        for the channel's next producer.
+        Problems with one relay are logged to stderr and drop that relay only; a local bucket
+        that fails its checks is logged and skipped. Raises what else Subscriber.next() raises
+        for the local channel, but for ProducerGone: the server waits for the channel's next
+        producer. InvalidArgument in a child forked from the serving process.
         """
         self._impl.serve(_seconds("duration", duration))
 
     def close(self) -> None:
-        """Disconnect every relay and leave the channel; a serve() in another thread returns."""
+        """Disconnect every relay and leave the channel; a serve() in another thread returns.
+
+        In a forked child, only let go of the server: its links are the parent's.
+        """
         self._impl.close()
 
     @property
