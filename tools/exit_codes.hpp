@@ -19,9 +19,24 @@ enum ExitCode : int {
 };
 
 constexpr int exit_code_for(ErrorCode code) {
-  if (failed_verification(code)) return kVerificationFailed;
   switch (code) {
     case ErrorCode::InvalidArgument: return kUsage;  // a bad name or option value
+    case ErrorCode::MissingManifest:
+    case ErrorCode::MissingPayload:
+    case ErrorCode::HeaderCorrupt:
+    case ErrorCode::ManifestCorrupt:
+    case ErrorCode::ChecksumMismatch:
+    case ErrorCode::UnsupportedDtype:
+    case ErrorCode::BadName:
+    case ErrorCode::BadShape:
+    case ErrorCode::OutOfBounds:
+    case ErrorCode::Overlap:
+    case ErrorCode::Misaligned:
+    case ErrorCode::DuplicateName:
+    case ErrorCode::IncompleteGroup:
+    case ErrorCode::Unmaterialized:
+    case ErrorCode::ManifestMismatch:
+    case ErrorCode::Torn: return kVerificationFailed;
     case ErrorCode::ProducerGone: return kProducerGone;
     case ErrorCode::ChannelExists:
     case ErrorCode::ChannelMissing:
@@ -32,8 +47,10 @@ constexpr int exit_code_for(ErrorCode code) {
     case ErrorCode::CudaFailed: return kDeviceError;
     case ErrorCode::NetworkError: return kNetworkError;
     case ErrorCode::Unauthorized: return kUnauthorized;
-    default: return kOtherError;  // ChannelFull, SystemError
+    case ErrorCode::ChannelFull:
+    case ErrorCode::SystemError: return kOtherError;
   }
+  return kOtherError;
 }
 
 }  // namespace tensorbucket::cli

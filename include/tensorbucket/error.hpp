@@ -53,9 +53,23 @@ enum class ErrorCode : std::uint8_t {
 std::string_view to_string(ErrorCode code) noexcept;
 
 // True for the codes of a bucket that failed its checks (docs/format.md) or was torn while
-// read. A subscriber skips such a bucket; the next one may be fine.
+// read. A subscriber skips such a bucket; the next one may be fine. Every code is listed, not
+// a default: a new one must be placed here on purpose (the compiler names a missing one).
 constexpr bool failed_verification(ErrorCode code) noexcept {
   switch (code) {
+    case ErrorCode::InvalidArgument:
+    case ErrorCode::ProducerGone:
+    case ErrorCode::ChannelExists:
+    case ErrorCode::ChannelMissing:
+    case ErrorCode::PermissionDenied:
+    case ErrorCode::ChannelFull:
+    case ErrorCode::SystemError:
+    case ErrorCode::CudaUnavailable:
+    case ErrorCode::DeviceNotVisible:
+    case ErrorCode::CudaFailed:
+    case ErrorCode::LocationMismatch:
+    case ErrorCode::NetworkError:
+    case ErrorCode::Unauthorized: return false;
     case ErrorCode::MissingManifest:
     case ErrorCode::MissingPayload:
     case ErrorCode::HeaderCorrupt:
@@ -72,8 +86,8 @@ constexpr bool failed_verification(ErrorCode code) noexcept {
     case ErrorCode::Unmaterialized:
     case ErrorCode::ManifestMismatch:
     case ErrorCode::Torn: return true;
-    default: return false;
   }
+  return false;
 }
 
 class Error : public std::runtime_error {
