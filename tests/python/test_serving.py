@@ -50,14 +50,31 @@ def test_next_update_and_load_into_keep_a_server_bit_identical(channel, buckets)
     assert f"in {buckets} buckets loaded and equal" in output
 
 
+# The examples' server, its imports done, waiting for a line on stdin before it runs.
+READY_SERVER = """
+import runpy, sys
+import torch, tensorbucket, model
+print("ready", flush=True)
+sys.stdin.readline()
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def test_a_late_server_joins_at_a_whole_update(channel):
     """The examples' server, started while the trainer is under way (held there by stopping
     the first server, which the trainer waits for)."""
+    # The trainer gives a stopped server 30 s (examples/trainer.py): the late server's slow start
+    # (importing torch) happens first, so that a loaded machine cannot use them up.
+    late = subprocess.Popen([sys.executable, "-c", READY_SERVER, str(EXAMPLES / "server.py"), channel], env=ENV,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert late.stdout.readline() == "ready\n"
     early = server(channel)
     training = trainer(channel, 100, 4)
     head = [early.stdout.readline() for _ in range(10)]
     early.send_signal(signal.SIGSTOP)
-    late = server(channel)
+    late.stdin.write("go\n")
+    late.stdin.flush()
     head_of_late = late.stdout.readline()
     early.send_signal(signal.SIGCONT)
     assert training.wait(timeout=120) == 0
