@@ -383,11 +383,19 @@ struct RemoteState {
       }
       hash = receive_payload(payload, announce.chunk_bytes);
       // serve may still be hashing (on a thread of its own, with a link faster than its
-      // hash); its heartbeats meanwhile keep the link, as between buckets.
+      // hash); its heartbeats meanwhile keep the link, as between buckets. Not for longer than
+      // the payload itself may take: a server that only sends heartbeats must not hold this
+      // side (and the slot it reserved) for good.
+      auto allowance = std::chrono::milliseconds(static_cast<std::int64_t>(payload.size() / kSlowestBytesPerMs));
+      auto hash_due = Clock::now() + options.idle_timeout + allowance;
       std::vector<std::byte> hash_message;
       while (!take(Kind::PayloadHash, hash_message, sizeof sent_hash, Clock::now() + 50ms)) {
         skip_heartbeats();
         refused_or_silent();
+        if (Clock::now() > hash_due) {
+          lost("no payload hash within " + std::to_string((options.idle_timeout + allowance).count()) +
+               " ms of the payload");
+        }
       }
       if (hash_message.size() != sizeof sent_hash) lost("a malformed payload hash");
       std::memcpy(&sent_hash, hash_message.data(), sizeof sent_hash);

@@ -143,6 +143,7 @@ struct ServerState {
   std::vector<std::byte> staged;                         // a device bucket's payload, on the host
 #ifdef TENSORBUCKET_WIRE_FAULT
   std::vector<std::byte> flipped;                        // the payload with a byte flipped
+  bool withhold_hash = false;                            // the current payload's hash is not sent
 #endif
   std::array<std::byte, 64> discard{};                   // what hear() throws away; never read
   std::list<Lingering> lingering;                        // receives hear() gave up on
@@ -345,13 +346,21 @@ struct ServerState {
 #ifdef TENSORBUCKET_WIRE_FAULT
     // Test builds only (tests/meson.build): one payload byte of the bucket whose sequence
     // TBUCKET_WIRE_FAULT names flips on the wire, after the server hashed it; with
-    // "padding:" before the sequence, a byte between the frame and a whole payload is set.
+    // "padding:" before the sequence, a byte between the frame and a whole payload is set;
+    // with "nohash:", the hash of a payload in chunks is never sent (heartbeats go on).
     const char* asked = std::getenv("TBUCKET_WIRE_FAULT");
     std::string_view fault = asked != nullptr ? asked : "";
-    bool bad_padding = fault.starts_with("padding:");
-    if (bad_padding) fault.remove_prefix(std::string_view("padding:").size());
+    std::string_view how;
+    for (std::string_view prefix : {"padding:", "nohash:"}) {
+      if (fault.starts_with(prefix)) {
+        how = prefix;
+        fault.remove_prefix(prefix.size());
+      }
+    }
     bool faulty = fault == std::to_string(bucket.sequence());
-    if (faulty && !bad_padding && !payload.empty()) {
+    bool bad_padding = faulty && how == "padding:";
+    withhold_hash = faulty && how == "nohash:";
+    if (faulty && how.empty() && !payload.empty()) {
       flipped.assign(payload.begin(), payload.end());
       flipped[flipped.size() / 2] ^= std::byte{1};
       on_wire = flipped;
@@ -381,7 +390,7 @@ struct ServerState {
         std::memset(at + sizeof announce + frame.size(), 0, announce.whole_offset - sizeof announce - frame.size());
         if (!on_wire.empty()) std::memcpy(at + announce.whole_offset, on_wire.data(), on_wire.size());
 #ifdef TENSORBUCKET_WIRE_FAULT
-        if (faulty && bad_padding && announce.whole_offset > sizeof announce + frame.size()) {
+        if (bad_padding && announce.whole_offset > sizeof announce + frame.size()) {
           at[announce.whole_offset - 1] = std::byte{1};
         }
 #endif
@@ -416,6 +425,9 @@ struct ServerState {
       if (peer.posted == on_wire.size() && peer.bucket_sends.size() < kChunksInFlight) {
         const auto* hash = payload_hash.ready();
         if (hash == nullptr) continue;  // still hashing: a later turn sends it
+#ifdef TENSORBUCKET_WIRE_FAULT
+        if (withhold_hash) continue;
+#endif
         send_or_fail(peer, std::as_bytes(std::span(hash, 1)), Kind::PayloadHash);
         peer.taking = false;
       }

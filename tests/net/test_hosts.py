@@ -310,10 +310,13 @@ PAYLOADS = {"whole": ("4", "65000"), "chunks": ("3", "1048000"), "chunks_in_plac
 
 
 # A payload byte flipped after the server hashed it, and a padding byte between the frame and a
-# whole payload set (not covered by the hash): each bucket is refused.
+# whole payload set (not covered by the hash): each bucket is refused. A payload in chunks
+# whose hash never comes, while the server's heartbeats do (its own peer timeout made longer
+# than the test): the relay gives up on it after its idle timeout.
 WIRE_FAULTS = {"payload_whole": ("whole", "", "ChecksumMismatch"),
                "payload_chunks_in_place": ("chunks_in_place", "", "ChecksumMismatch"),
-               "padding": ("whole", "padding:", "padding before its payload is not zero")}
+               "padding": ("whole", "padding:", "padding before its payload is not zero"),
+               "hash_withheld": ("chunks_in_place", "nohash:", "no payload hash within")}
 
 
 @needs_root
@@ -324,13 +327,14 @@ def test_a_byte_corrupted_on_the_wire_is_caught(hosts, fault):
     tensors, tensor_bytes = PAYLOADS[payload]
     up, down = f"up{h.suffix}", f"down{h.suffix}"
     server = h.start(h.b, "server", "consume", "--channel", down, "--verify", "--json", "--quiet", "--timeout-ms",
-                     "5000")
+                     "30000")  # past the relay's wait for a hash withheld
     h.start(h.b, "relay", "relay", "--connect", f"{h.addr_a}:{port}", "--channel", up, "--as", down,
             "--token-file", str(h.token))
     h.start(h.a, "trainer", "produce", "--channel", up, "--buckets", str(count), "--tensors", tensors,
             "--tensor-bytes", tensor_bytes, "--quiet", "--timeout-ms", "30000")
     h.start(h.a, "serve", "serve", "--channel", up, "--listen", f"{h.addr_a}:{port}", "--token-file", str(h.token),
-            program=os.environ["TBUCKET_WIRE_FAULT_BUILD"], env={"TBUCKET_WIRE_FAULT": f"{prefix}{bad}"})
+            "--peer-timeout-ms", "300000", program=os.environ["TBUCKET_WIRE_FAULT_BUILD"],
+            env={"TBUCKET_WIRE_FAULT": f"{prefix}{bad}"})
     wait_for(lambda: buckets(h, "server")[-1:] == [count - 1], 60, "the last bucket")
     versions = buckets(h, "server")
     assert bad not in versions and bad - 1 in versions, versions
