@@ -3,9 +3,11 @@ between them, `tbucket serve` on one and `tbucket relay` on the other (docs/netw
 
 Needs root (the namespaces) and the network build of tbucket (TBUCKET names it); skipped
 otherwise. Shared memory is the machine's, so the hosts' channels have different names."""
+import collections
 import itertools
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -262,6 +264,91 @@ def test_killed_relay_serve_and_link_resume_without_torn_or_stale_buckets(hosts)
     for server in servers:
         versions = buckets(h, server.name)
         assert len(versions) > count // 4, f"{server.name} got only {len(versions)} buckets"
+
+
+@needs_root
+def test_random_kills_stops_and_link_flaps_deliver_no_torn_or_stale_bucket(hosts):
+    """Thirty events drawn at random (seeded, so a failure replays the same list): the trainer,
+    serve, the relay or a server killed with SIGKILL and started again, serve or the relay
+    stopped for up to 4 s, the link down for up to 4 s. Updates of two buckets, small ones in
+    one message and 2 MiB ones in chunks. After each event the stream resumes; every server
+    run gets only verified buckets, never an older version than it had (a new trainer starts
+    again at version 0), never more than the two buckets of one update; and once all stop,
+    the machine's shared memory holds nothing of theirs."""
+    rng = random.Random(22)
+    h, port = hosts, 17011
+    up, down = f"up{h.suffix}", f"down{h.suffix}"
+    started = collections.Counter()
+    running = {}
+
+    def start(role, host, *args):
+        started[role] += 1
+        running[role] = h.start(host, f"{role}.{started[role]}", *args)
+
+    def trainer():
+        start("trainer", h.a, "produce", "--channel", up, "--buckets", "100000000", "--tensors", "8",
+              "--tensor-bytes", str(rng.choice([4096, 262144])), "--update-buckets", "2", "--interval-ms", "3",
+              "--quiet", "--timeout-ms", "600000")
+
+    def serve():
+        start("serve", h.a, "serve", "--channel", up, "--listen", f"{h.addr_a}:{port}", "--token-file",
+              str(h.token), "--peer-timeout-ms", "2000")
+
+    def relay():
+        start("relay", h.b, "relay", "--connect", f"{h.addr_a}:{port}", "--channel", up, "--as", down,
+              "--token-file", str(h.token), "--idle-timeout-ms", "1500", "--consumers", "0", "--update-buckets", "2")
+
+    def server(i):
+        start(f"server{i}", h.b, "consume", "--channel", down, "--follow", "--verify", "--json", "--quiet",
+              "--timeout-ms", "600000")
+
+    def received():
+        return sum(len(h.lines(f"server0.{n}")) for n in range(1, started["server0"] + 1))
+
+    restart = {"trainer": trainer, "serve": serve, "relay": relay,
+               "server0": lambda: server(0), "server1": lambda: server(1)}
+    server(0)
+    server(1)
+    relay()
+    trainer()
+    serve()
+    wait_for(lambda: received() > 0, 60, "the first buckets")
+    events = []
+    for _ in range(30):
+        time.sleep(rng.uniform(0.3, 2))
+        event = rng.choice(["kill trainer", "kill serve", "kill relay", "kill server0", "kill server1",
+                            "stop serve", "stop relay", "link down"])
+        events.append(event)
+        before = received()
+        verb, role = event.split()
+        if verb == "kill":
+            running[role].kill()
+            running[role].wait()
+            restart[role]()
+        elif verb == "stop":
+            running[role].send_signal(signal.SIGSTOP)
+            time.sleep(rng.uniform(0.5, 4))
+            running[role].send_signal(signal.SIGCONT)
+        else:
+            h.link(False)
+            time.sleep(rng.uniform(0.5, 4))
+            h.link(True)
+        wait_for(lambda: received() >= before + 4, 60, f"buckets after {events}")
+        for role, proc in running.items():
+            assert proc.poll() is None, f"{proc.name} exited after {events}: {h.text(proc.name)}"
+
+    h.close()
+    for role in ("server0", "server1"):
+        for n in range(1, started[role] + 1):
+            name = f"{role}.{n}"
+            seen = [json.loads(line) for line in h.lines(name) if line.startswith("{")]
+            assert all(line["ok"] for line in seen), f"{name}: a bucket failed verification"
+            versions = [line["version"] for line in seen]
+            older = [(a, b) for a, b in zip(versions, versions[1:]) if b < a and b != 0]
+            assert not older, f"{name}: an older version after a newer one {older}, after {events}"
+            same = [len(list(group)) for _, group in itertools.groupby(versions)]
+            assert max(same, default=0) <= 2, f"{name}: an update of two buckets came with more, after {events}"
+    assert not [entry for entry in os.listdir("/dev/shm") if up in entry or down in entry]
 
 
 def cpu_seconds(pid):
