@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -423,15 +424,57 @@ TEST_F(Cli, ConsumerFacingAbsurdGenerationsExitsThreeAtItsTimeout) {
 }
 
 TEST_F(Cli, TerminatedProducerRemovesItsSegments) {
-  Tbucket producer({"produce", "--channel", channel, "--buckets", "100", "--timeout-ms", "30000"});
-  auto control = "/dev/shm/tensorbucket." + channel;
-  ASSERT_TRUE(test::wait_until([&] { return std::filesystem::exists(control); }));
-  ASSERT_TRUE(producer.handles_stop_signals());
-  producer.signal(SIGTERM);
-  EXPECT_EQ(producer.finish(), 128 + SIGTERM);
-  // Exit 143 from its handler, not from the default action: it says so, and it cleaned up.
-  EXPECT_NE(producer.err().find("stopped by signal 15; channel closed"), std::string::npos) << producer.err();
-  EXPECT_FALSE(std::filesystem::exists(control));
+  // SIGHUP (a closed terminal) and SIGPIPE (a reader of its output gone) stop it as SIGTERM does.
+  for (int stop : {SIGTERM, SIGHUP, SIGPIPE}) {
+    SCOPED_TRACE(strsignal(stop));
+    Tbucket producer({"produce", "--channel", channel, "--buckets", "100", "--timeout-ms", "30000"});
+    auto control = "/dev/shm/tensorbucket." + channel;
+    ASSERT_TRUE(test::wait_until([&] { return std::filesystem::exists(control); }));
+    ASSERT_TRUE(producer.handles_stop_signals());
+    producer.signal(stop);
+    EXPECT_EQ(producer.finish(), 128 + stop);
+    // 128 + signal from its handler, not from the default action: it says so, and it cleaned up.
+    auto said = "stopped by signal " + std::to_string(stop) + "; channel closed";
+    EXPECT_NE(producer.err().find(said), std::string::npos) << producer.err();
+    EXPECT_FALSE(std::filesystem::exists(control));
+  }
+}
+
+TEST_F(Cli, ConsumerWhoseReaderLeftStopsCleanly) {
+  // `tbucket consume --follow | head -1`: once head is gone, the next line raises SIGPIPE.
+  auto publisher = Publisher::create(channel, {.slots = 2, .min_consumers = 0});
+  int pipe_ends[2];
+  ASSERT_EQ(::pipe(pipe_ends), 0);
+  std::fflush(nullptr);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::signal(SIGPIPE, SIG_DFL);  // as a shell's pipeline has it; a test runner may ignore it
+    ::dup2(pipe_ends[1], 1);
+    ::close(pipe_ends[0]);
+    ::close(pipe_ends[1]);
+    const char* binary = std::getenv("TBUCKET");
+    ::execl(binary, binary, "consume", "--channel", channel.c_str(), "--follow", "--json", nullptr);
+    ::_exit(127);
+  }
+  ::close(pipe_ends[1]);
+  ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 1, .tensor_bytes = 64}, 0).builder, 5s));
+  char first = 0;
+  ASSERT_EQ(::read(pipe_ends[0], &first, 1), 1);  // its first line came
+  ::close(pipe_ends[0]);
+  int status = 0;
+  bool stopped = false;
+  auto reap = [&] { return stopped = stopped || ::waitpid(pid, &status, WNOHANG) == pid; };
+  for (std::uint64_t version = 1; version < 200 && !reap(); ++version) {
+    publisher.publish(cli::make_bucket({.tensors = 1, .tensor_bytes = 64}, version).builder, 100ms);
+    std::this_thread::sleep_for(10ms);
+  }
+  if (!test::wait_until(reap)) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+    FAIL() << "the consumer went on writing into a pipe nobody reads";
+  }
+  ASSERT_TRUE(WIFEXITED(status)) << "killed by signal " << WTERMSIG(status) << " instead of stopping";
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGPIPE);
 }
 
 TEST_F(Cli, TerminatedConsumerStopsWaitingForTheChannel) {

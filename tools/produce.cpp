@@ -137,6 +137,13 @@ void install_stop_handlers() {
   sigemptyset(&action.sa_mask);
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
+  // A closed terminal (SIGHUP) or a reader of our output gone (SIGPIPE: `consume | head`, a
+  // log collector that died) would kill at once and leave the channel's segments behind. They
+  // stop like SIGTERM instead, unless the parent ignores them (nohup): then they stay ignored.
+  for (int stop : {SIGHUP, SIGPIPE}) {
+    struct sigaction inherited {};
+    if (sigaction(stop, nullptr, &inherited) == 0 && inherited.sa_handler != SIG_IGN) sigaction(stop, &action, nullptr);
+  }
 }
 
 int stop_signal() { return received_signal; }
