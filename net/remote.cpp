@@ -76,6 +76,10 @@ struct RemoteState {
       }
       if (length <= kMaxRefusalBytes && whole) refused(message);
     }
+    if (endpoint.failed == UCS_ERR_REJECTED) {  // the server's listener turned the connection away
+      lost("the server turned the connection away: it serves its max_peers already, or too many "
+           "connections are still proving the token");
+    }
     lost(std::string("failed: ") + ucs_status_string(endpoint.failed));
   }
 
@@ -434,6 +438,9 @@ struct RemoteState {
 RemoteSubscriber RemoteSubscriber::connect(std::string_view address, const ConnectOptions& options,
                                            std::chrono::milliseconds timeout) {
   if (options.token.empty()) throw Error(ErrorCode::InvalidArgument, "connect needs a token (read_token_file)");
+  if (options.idle_timeout.count() <= 0 || options.idle_timeout > kLongestTimeout) {  // now() + it would wrap
+    throw Error(ErrorCode::InvalidArgument, "connect's idle_timeout must be above 0 and at most 10^9 s");
+  }
   timeout = std::min(timeout, std::chrono::milliseconds(std::chrono::hours(24)));
   auto until = detail::Clock::now() + timeout;
   auto where = detail::parse_address(address, false, timeout);

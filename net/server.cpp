@@ -158,6 +158,7 @@ struct ServerState {
   PayloadHash payload_hash;                // of a payload in chunks: sent after them, to each peer
   Clock::time_point current_deadline{};
   std::uint64_t served = 0;
+  std::optional<std::uint64_t> incarnation;  // of the channel's producer, as of the last bucket taken
   std::string address;
   pid_t pid = ::getpid();  // the serving process; a forked child inherits this, not the role
 
@@ -197,7 +198,7 @@ struct ServerState {
       for (const auto& peer : peers) (peer.authenticated ? serving : pending) += 1;
       if (serving >= options.max_peers || pending >= kMaxPending) {
         log("turned " + from + " away: " + (pending >= kMaxPending ? std::to_string(kMaxPending) + " connections proving the token already"
-                                                                   : std::to_string(options.max_peers) + " peers already (max_peers)"));
+                                                                   : "max_peers (" + std::to_string(options.max_peers) + ") reached"));
         ucp_listener_reject(listener, request);
         continue;
       }
@@ -237,7 +238,7 @@ struct ServerState {
     // Checked again here: connections admitted together may all prove the token.
     auto serving = std::count_if(peers.begin(), peers.end(), [](const Peer& other) { return other.authenticated; });
     if (static_cast<std::size_t>(serving) >= options.max_peers) {
-      return refuse(peer, Refusal::Other, std::to_string(options.max_peers) + " peers already (max_peers)");
+      return refuse(peer, Refusal::Other, "max_peers (" + std::to_string(options.max_peers) + ") reached");
     }
     Welcome welcome{server_proof(options.token, proof.nonce, peer.key), 0, {}};
     const auto& name = subscriber.channel();
@@ -520,6 +521,10 @@ struct ServerState {
       return;
     }
     if (!bucket) return;
+    if (incarnation && *incarnation != bucket->incarnation()) {
+      log("the channel's next producer is here (incarnation " + std::to_string(bucket->incarnation()) + ")");
+    }
+    incarnation = bucket->incarnation();
     current = std::move(bucket);
     announce_current();
   }
@@ -539,7 +544,11 @@ Server Server::start(std::string_view channel, const ServeOptions& options, std:
   if (options.window == 0 || options.max_peers == 0 || options.peer_timeout.count() <= 0) {
     throw Error(ErrorCode::InvalidArgument, "serve needs window, max_peers and peer_timeout above 0");
   }
+  if (options.peer_timeout > kLongestTimeout) {  // now() + it would wrap into the past
+    throw Error(ErrorCode::InvalidArgument, "serve's peer_timeout is at most 10^9 s");
+  }
   auto address = detail::parse_address(options.listen, true);
+  detail::check_listenable(address);
   auto subscriber = Subscriber::attach(channel, attach_timeout, {.follow_restarts = true});
   auto state = std::make_unique<detail::ServerState>(std::move(subscriber), options, detail::interface_holding(address));
   ucp_listener_params_t params{};

@@ -191,6 +191,21 @@ std::string interface_of(const sockaddr* address) {
 
 }  // namespace
 
+void check_listenable(const SocketAddress& address) {
+  int fd = ::socket(address.storage.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return;  // UCX will say what is wrong
+  int on = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);  // as UCX_TCP_CM_REUSEADDR=y: TIME_WAIT is no obstacle
+  int error = ::bind(fd, address.get(), address.length) == 0 ? 0 : errno;
+  ::close(fd);
+  if (error == 0) return;
+  std::string why = error == EADDRINUSE      ? "the port is in use: another process listens on it"
+                    : error == EADDRNOTAVAIL ? "not an address of this host"
+                    : error == EACCES        ? "a port below 1024 needs privileges"
+                                             : std::strerror(error);
+  throw Error(ErrorCode::NetworkError, "cannot listen on " + address.text + ": " + why);
+}
+
 std::string interface_holding(const SocketAddress& address) { return interface_of(address.get()); }
 
 std::string interface_towards(const SocketAddress& peer) {

@@ -32,6 +32,11 @@ SocketAddress parse_address(std::string_view text, bool numeric_only,
                             std::chrono::milliseconds limit = std::chrono::seconds(5));
 std::string to_string(const sockaddr_storage& address);
 
+// NetworkError naming why `address` cannot be listened on (the port taken, or not an address
+// of this host), found by binding a socket of our own as UCX will, before UCX tries and says
+// only "Device is busy" or "Input/output error".
+void check_listenable(const SocketAddress& address);
+
 // The network interface UCX may use for a link: the one that holds `address`, an address of
 // this host (a listener's); "" for a wildcard address (every interface).
 std::string interface_holding(const SocketAddress& address);

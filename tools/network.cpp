@@ -1,5 +1,6 @@
 // `tbucket serve` and `tbucket relay`: a channel exported to the network, and received into a
 // local channel on another host (include/tensorbucket/net.hpp, docs/network.md).
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
@@ -156,13 +157,19 @@ int run_relay(const RelayOptions& options) {
   Clock::time_point first{}, latest{};
   auto backoff = 100ms;
   bool connected_once = false;
+  // Each try: --timeout-ms, held between 1 and 5 s, so that --timeout-ms 0 (a local publish
+  // that never waits) still leaves a connect time to answer.
+  auto connect_timeout = std::chrono::milliseconds(std::clamp<std::uint64_t>(options.timeout_ms, 1000, 5000));
+  // Under --quiet, why the link is down is told once per reason until the next connection:
+  // a mistyped port or a server not up yet is never silent, and never told every 2 s either.
+  std::string told;
   while (stop_signal() == 0 && (options.buckets == 0 || relayed < options.buckets)) {
     std::optional<net::RemoteSubscriber> remote;
     try {
-      remote.emplace(net::RemoteSubscriber::connect(options.connect, connect,
-                                                    std::chrono::milliseconds(std::min<std::uint64_t>(options.timeout_ms, 5000))));
+      remote.emplace(net::RemoteSubscriber::connect(options.connect, connect, connect_timeout));
       log("connected to " + options.connect + ", channel '" + options.channel + "' → local '" + local + "'");
       connected_once = true;
+      told.clear();
       backoff = 100ms;
       while (stop_signal() == 0 && (options.buckets == 0 || relayed < options.buckets)) {
         auto bucket = remote->next(kWaitSlice, {}, [&](std::uint64_t payload_bytes, std::span<const std::byte> frame) {
@@ -212,8 +219,10 @@ int run_relay(const RelayOptions& options) {
         std::fprintf(stderr, "tbucket: %s: %s\n", std::string(to_string(e.code())).c_str(), e.what());
         return exit_code_for(e.code());
       }
-      // A refusal is told also under --quiet: it may go on.
-      log(std::string(to_string(e.code())) + ": " + e.what() + "; reconnecting", unauthorized);
+      // A refusal is told every time, also under --quiet: it may go on.
+      auto line = std::string(to_string(e.code())) + ": " + e.what() + "; reconnecting";
+      log(line, unauthorized || line != told);
+      told = line;
       if (!connected_once && e.code() != ErrorCode::NetworkError) throw;
       if (unauthorized) backoff = std::chrono::milliseconds(2000);
     }

@@ -9,6 +9,9 @@
 
 #include "commands.hpp"
 #include "exit_codes.hpp"
+#ifdef TENSORBUCKET_NET
+#include "tensorbucket/net.hpp"
+#endif
 
 namespace {
 
@@ -209,7 +212,7 @@ int main(int argc, char** argv) {
       ->required();
   serve_command->add_option("--peer-timeout-ms", serve.peer_timeout_ms,
                             "A relay that takes no bucket within this is dropped (it reconnects)")
-      ->check(whole_number(1, kAny));
+      ->check(whole_number(1, net::kLongestTimeout.count()));
   serve_command->add_option("--max-peers", serve.max_peers, "Relays at once")->check(whole_number(1, 1024));
   serve_command->add_option("--timeout-ms", serve.timeout_ms, "Wait for the channel's producer at most this long")
       ->check(whole_number(0, kAny));
@@ -223,15 +226,16 @@ int main(int argc, char** argv) {
   add_channel_options(*relay_command, relay.local, "Local channel: ");
   relay_command->add_option("--timeout-ms", relay.timeout_ms,
                             "A local publish waits at most this long (then the link is dropped, to resume at the "
-                            "next update)")
+                            "next update); each connect try, this long held to 1-5 s")
       ->check(whole_number(0, kAny));
   relay_command->add_option("--idle-timeout-ms", relay.idle_timeout_ms, "Silence after which the link counts as dead")
-      ->check(whole_number(100, kAny));
+      ->check(whole_number(100, net::kLongestTimeout.count()));
   relay_command->add_option("--max-bucket-bytes", relay.max_bucket_bytes, "A larger payload drops the link")
       ->check(whole_number(0, kAny));
   relay_command->add_option("--buckets", relay.buckets, "Stop after relaying this many (0: until a signal)")
       ->check(whole_number(0, kAny));
-  relay_command->add_flag("--quiet", relay.quiet, "No line on each connection");
+  relay_command->add_flag("--quiet", relay.quiet,
+                          "No line on each connection; why the link is down is still told, once per reason");
 #endif
 
   // CLI11 answers an unknown command with "A subcommand is required".

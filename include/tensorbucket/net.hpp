@@ -47,6 +47,9 @@ struct RemoteState;
 // PermissionDenied otherwise, naming the path and what is wrong; InvalidArgument for its size.
 std::string read_token_file(const std::string& path);
 
+// The longest peer_timeout and idle_timeout: 10^9 s (InvalidArgument past it).
+inline constexpr std::chrono::milliseconds kLongestTimeout{1'000'000'000'000};
+
 struct ServeOptions {
   // "ADDRESS:PORT" ("[ADDRESS]:PORT" for IPv6), an address of this host: there is no default,
   // so that weights are never served on every interface by accident. Port 0 picks a free one.

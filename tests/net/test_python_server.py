@@ -8,6 +8,7 @@ build of tbucket (TBUCKET)."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -26,8 +27,6 @@ pytestmark = [
 
 
 def free_port():
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -125,9 +124,15 @@ def test_server_errors_name_what_is_wrong(tmp_path):
     with tensorbucket.Publisher(channel, min_consumers=0):
         with pytest.raises(tensorbucket.InvalidArgument, match="port"):
             tensorbucket.Server(channel, "127.0.0.1", token)
-        with pytest.raises(tensorbucket.NetworkError) as unbound:
+        with pytest.raises(tensorbucket.NetworkError, match="192.0.2.1:0: not an address of this host") as unbound:
             tensorbucket.Server(channel, "192.0.2.1:0", token)  # TEST-NET-1: not this host's
         assert unbound.value.code == "NetworkError"
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            address = "127.0.0.1:%d" % taken.getsockname()[1]
+            with pytest.raises(tensorbucket.NetworkError, match=f"{address}: the port is in use"):
+                tensorbucket.Server(channel, address, token)
         with pytest.raises(tensorbucket.InvalidArgument, match="peer_timeout"):
             tensorbucket.Server(channel, "127.0.0.1:0", token, peer_timeout=0)
         with pytest.raises(tensorbucket.InvalidArgument, match="window"):
@@ -158,9 +163,11 @@ def test_max_peers_turns_a_relay_away_until_one_leaves(tmp_path, procs):
     procs.append(subprocess.Popen([TBUCKET, "serve", "--channel", up, "--listen", address, "--token-file", str(token),
                                    "--max-peers", "1"], stdout=serve_log, stderr=subprocess.STDOUT))
     first = relay(procs, tmp_path, "first", address, up, f"mpone{tag}", token, "--consumers", "0")
-    wait_for(lambda: "connected" in (tmp_path / "first.log").read_text(), 30, "the first relay to connect")
+    wait_for(lambda: "connected to" in (tmp_path / "first.log").read_text(), 30, "the first relay to connect")
     second = relay(procs, tmp_path, "second", address, up, f"mptwo{tag}", token)
     wait_for(lambda: "max_peers" in (tmp_path / "serve.log").read_text(), 30, "the second relay to be turned away")
+    wait_for(lambda: "serves its max_peers already" in (tmp_path / "second.log").read_text(), 30,
+             "the second relay to say why")
     assert second.poll() is None  # turned away is not fatal: it retries
 
     consumer_log = open(tmp_path / "consumer.log", "w")
@@ -242,7 +249,7 @@ def test_a_stalled_relay_holds_back_only_itself(tmp_path, procs):
                                 "--quiet", "--timeout-ms", "60000"], stdout=logs["stalled_server"],
                                stderr=subprocess.STDOUT)
     procs.append(stalled)
-    wait_for(lambda: "connected" in (tmp_path / "stalled.log").read_text(), 30, "the stalled relay to connect")
+    wait_for(lambda: "connected to" in (tmp_path / "stalled.log").read_text(), 30, "the stalled relay to connect")
     time.sleep(1)
     stalled.send_signal(signal.SIGSTOP)
     try:
