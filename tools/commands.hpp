@@ -146,7 +146,7 @@ int run_remove(const RemoveOptions& options);
 int run_demo(const DemoOptions& options);
 int run_bench(const BenchOptions& options);
 
-// SIGINT / SIGTERM (and SIGHUP / SIGPIPE, unless ignored when inherited) set a flag that the
+// SIGINT / SIGTERM (and SIGPIPE, unless ignored when inherited) set a flag that the
 // long-running commands poll between bounded waits, so they close the channel (removing its
 // segments) before exiting.
 void install_stop_handlers();

@@ -137,12 +137,14 @@ void install_stop_handlers() {
   sigemptyset(&action.sa_mask);
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
-  // A closed terminal (SIGHUP) or a reader of our output gone (SIGPIPE: `consume | head`, a
-  // log collector that died) would kill at once and leave the channel's segments behind. They
-  // stop like SIGTERM instead, unless the parent ignores them (nohup): then they stay ignored.
-  for (int stop : {SIGHUP, SIGPIPE}) {
-    struct sigaction inherited {};
-    if (sigaction(stop, nullptr, &inherited) == 0 && inherited.sa_handler != SIG_IGN) sigaction(stop, &action, nullptr);
+  // A reader of our output gone (`consume | head`, a log collector that died) would kill at
+  // once and leave the channel's segments behind: SIGPIPE stops like SIGTERM instead, unless
+  // the parent ignores it (a service manager's default), which then writes fail quietly. (UCX
+  // sends with MSG_NOSIGNAL, so a peer's reset never raises it; SIGHUP is UCX's, to dump its
+  // state, in every command linked with it.)
+  struct sigaction inherited {};
+  if (sigaction(SIGPIPE, nullptr, &inherited) == 0 && inherited.sa_handler != SIG_IGN) {
+    sigaction(SIGPIPE, &action, nullptr);
   }
 }
 
