@@ -199,7 +199,7 @@ void check_listenable(const SocketAddress& address) {
   int error = ::bind(fd, address.get(), address.length) == 0 ? 0 : errno;
   ::close(fd);
   if (error == 0) return;
-  std::string why = error == EADDRINUSE      ? "the port is in use: another process listens on it"
+  std::string why = error == EADDRINUSE      ? "the port is in use: a process listens on it, or connections of one that did are closing"
                     : error == EADDRNOTAVAIL ? "not an address of this host"
                     : error == EACCES        ? "a port below 1024 needs privileges"
                                              : std::strerror(error);
@@ -272,6 +272,14 @@ Worker::Worker(const std::string& interface) {
     if (auto status = ucp_config_modify(config, "NET_DEVICES", devices.c_str()); status != UCS_OK) {
       ucp_config_release(config);
       fail_ucx("holding UCX to " + devices, status);
+    }
+  }
+  // Unless the user set it (UCX_TCP_CM_REUSEADDR): a server restarted on its port binds it
+  // again at once, over the last one's connections in TIME_WAIT, as check_listenable() does.
+  if (std::getenv("UCX_TCP_CM_REUSEADDR") == nullptr) {
+    if (auto status = ucp_config_modify(config, "CM_REUSEADDR", "y"); status != UCS_OK) {
+      ucp_config_release(config);
+      fail_ucx("setting CM_REUSEADDR", status);
     }
   }
   ucp_params_t params{};

@@ -2,8 +2,8 @@
 // local channel on another host (include/tensorbucket/net.hpp, docs/network.md).
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "commands.hpp"
@@ -99,15 +99,10 @@ int stopped(const char* what) {
   return 128 + stop_signal();
 }
 
-// Unless the user set it: a server restarted on its port binds it again at once, not after
-// TIME_WAIT (UCX reads it when the worker is made).
-void default_ucx_settings() { ::setenv("UCX_TCP_CM_REUSEADDR", "y", 0); }
-
 }  // namespace
 
 int run_serve(const ServeCommandOptions& options) {
   install_stop_handlers();
-  default_ucx_settings();
   net::ServeOptions serve{.listen = options.listen,
                           .token = net::read_token_file(options.token_file),
                           .peer_timeout = std::chrono::milliseconds(options.peer_timeout_ms),
@@ -138,7 +133,6 @@ int run_serve(const ServeCommandOptions& options) {
 
 int run_relay(const RelayOptions& options) {
   install_stop_handlers();
-  default_ucx_settings();
   net::ConnectOptions connect{.token = net::read_token_file(options.token_file),
                               .channel = options.channel,
                               .max_bucket_bytes = options.max_bucket_bytes,
@@ -160,16 +154,18 @@ int run_relay(const RelayOptions& options) {
   // Each try: --timeout-ms, held between 1 and 5 s, so that --timeout-ms 0 (a local publish
   // that never waits) still leaves a connect time to answer.
   auto connect_timeout = std::chrono::milliseconds(std::clamp<std::uint64_t>(options.timeout_ms, 1000, 5000));
-  // Under --quiet, why the link is down is told once per reason until the next connection:
-  // a mistyped port or a server not up yet is never silent, and never told every 2 s either.
-  std::string told;
+  // Under --quiet, each reason the link went down is told once, until buckets flow again: a
+  // mistyped port or a server not up yet is never silent, and never told every 2 s either.
+  std::set<std::string> told;
+  auto lost = [&](const std::string& why, bool even_quiet = false) {
+    log(why + "; reconnecting", told.insert(why).second || even_quiet);
+  };
   while (stop_signal() == 0 && (options.buckets == 0 || relayed < options.buckets)) {
     std::optional<net::RemoteSubscriber> remote;
     try {
       remote.emplace(net::RemoteSubscriber::connect(options.connect, connect, connect_timeout));
       log("connected to " + options.connect + ", channel '" + options.channel + "' → local '" + local + "'");
       connected_once = true;
-      told.clear();
       backoff = 100ms;
       while (stop_signal() == 0 && (options.buckets == 0 || relayed < options.buckets)) {
         auto bucket = remote->next(kWaitSlice, {}, [&](std::uint64_t payload_bytes, std::span<const std::byte> frame) {
@@ -188,16 +184,17 @@ int run_relay(const RelayOptions& options) {
         } catch (const Error& e) {
           // The server sent a bucket out of its update's order: nothing was published.
           if (e.code() != ErrorCode::InvalidArgument) throw;
-          log(std::string("the server sent a bucket out of order (") + e.what() + "); reconnecting");
+          lost(std::string("the server sent a bucket out of order (") + e.what() + ")");
           break;
         }
         if (!published) {
           if (stop_signal() != 0) break;
-          log("Timeout: no local slot came free within " + std::to_string(options.timeout_ms) + " ms; waiting for " +
-              republisher.publisher().waiting_for() + "; reconnecting, to resume at the next update");
+          lost("Timeout: no local slot came free within " + std::to_string(options.timeout_ms) + " ms; waiting for " +
+               republisher.publisher().waiting_for());
           break;
         }
         last = id;
+        told.clear();  // buckets flow: a reason the link goes down again is news
         latest = Clock::now();
         if (relayed++ == 0) {
           first = latest;
@@ -220,9 +217,7 @@ int run_relay(const RelayOptions& options) {
         return exit_code_for(e.code());
       }
       // A refusal is told every time, also under --quiet: it may go on.
-      auto line = std::string(to_string(e.code())) + ": " + e.what() + "; reconnecting";
-      log(line, unauthorized || line != told);
-      told = line;
+      lost(std::string(to_string(e.code())) + ": " + e.what(), unauthorized);
       if (!connected_once && e.code() != ErrorCode::NetworkError) throw;
       if (unauthorized) backoff = std::chrono::milliseconds(2000);
     }

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -345,3 +346,27 @@ def test_a_forked_child_leaves_the_server_to_its_parent(tmp_path, procs):
                 through(version)
             log = (tmp_path / "relay.log").read_text()  # before the server closes
             assert log.count("connected to") == 1 and "reconnecting" not in log, log
+
+
+def test_a_restarted_python_server_listens_again_on_its_port_at_once(tmp_path, procs):
+    """A trainer's server killed while a relay is connected leaves the port's connections in
+    TIME_WAIT for a minute; the trainer restarted binds the same port at once and serves the
+    relay again."""
+    token = make_token(tmp_path / "token")
+    tag = os.getpid()
+    up, down = f"reup{tag}", f"redown{tag}"
+    address = f"127.0.0.1:{free_port()}"
+    procs.append(subprocess.Popen([TBUCKET, "produce", "--channel", up, "--buckets", "100000", "--tensors", "4",
+                                   "--tensor-bytes", "4096", "--quiet", "--timeout-ms", "60000", "--interval-ms", "5"]))
+    serve = f"import tensorbucket as tb; tb.Server({up!r}, {address!r}, {str(token)!r}, timeout=30).serve()"
+    first = subprocess.Popen([sys.executable, "-c", serve], stderr=subprocess.PIPE, text=True)
+    procs.append(first)
+    relay(procs, tmp_path, "relay", address, up, down, token, "--consumers", "0")
+    wait_for(lambda: "connected to" in (tmp_path / "relay.log").read_text(), 30, "the relay to connect")
+    first.kill()
+    first.wait()
+    second = subprocess.Popen([sys.executable, "-c", serve], stderr=subprocess.PIPE, text=True)
+    procs.append(second)
+    wait_for(lambda: (tmp_path / "relay.log").read_text().count("connected to") >= 2 or second.poll() is not None,
+             30, "the relay to connect to the restarted server")
+    assert second.poll() is None, second.stderr.read()
