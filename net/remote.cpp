@@ -48,6 +48,7 @@ struct RemoteState {
   std::optional<std::pair<std::uint64_t, std::uint64_t>> last;  // (incarnation, sequence) taken
   ManifestCache cache;
   bool broken = false;
+  bool challenged = false;  // the server spoke first: something that speaks tensorbucket answered
 
   RemoteState(std::string_view where, const ConnectOptions& connect, const std::string& interface)
       : address(where), options(connect), worker(interface) {}
@@ -79,6 +80,10 @@ struct RemoteState {
     if (endpoint.failed == UCS_ERR_REJECTED) {  // the server's listener turned the connection away
       lost("the server turned the connection away: it serves its max_peers already, or too many "
            "connections are still proving the token");
+    }
+    if (!challenged) {  // nobody spoke: a closed port, a host that does not answer, a wrong address
+      lost(std::string("no server answered (nothing listens there, or the host is unreachable): ") +
+           ucs_status_string(endpoint.failed));
     }
     lost(std::string("failed: ") + ucs_status_string(endpoint.failed));
   }
@@ -202,6 +207,7 @@ struct RemoteState {
       refused_or_silent();
       if (Clock::now() >= until) lost("no answer to connect");
     }
+    challenged = true;
     if (bytes.size() != sizeof challenge) lost("a malformed challenge");
     std::memcpy(&challenge, bytes.data(), sizeof challenge);
     if (challenge.magic != kMagic) lost("not a tensorbucket server");

@@ -65,7 +65,7 @@ class PyServer {
 
   static std::chrono::milliseconds milliseconds(double seconds, const char* name) {
     if (!(seconds > 0 && seconds <= 1e9)) {
-      throw Error(ErrorCode::InvalidArgument, std::string(name) + " must be seconds > 0, not " + as_text(seconds));
+      throw Error(ErrorCode::InvalidArgument, std::string(name) + " must be seconds above 0 and at most 1e9, not " + as_text(seconds));
     }
     return std::chrono::ceil<std::chrono::milliseconds>(std::chrono::duration<double>(seconds));
   }
