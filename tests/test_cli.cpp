@@ -95,15 +95,15 @@ class Tbucket {
     return !status_ && ::waitid(P_PID, static_cast<id_t>(pid_), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
            info.si_pid == 0;
   }
-  // Waits (bounded) until its SIGINT and SIGTERM handlers are in place: a signal sent before
-  // would kill it with the same status a clean stop exits with.
+  // Waits (bounded) until its SIGINT, SIGTERM and SIGPIPE handlers are in place: a signal sent
+  // before would kill it with the same status a clean stop exits with.
   bool handles_stop_signals() {
     return test::wait_until([&] {
       std::ifstream status("/proc/" + std::to_string(pid_) + "/status");
       for (std::string line; std::getline(status, line);) {
         if (!line.starts_with("SigCgt:")) continue;
         auto caught = std::stoull(line.substr(7), nullptr, 16);
-        return (caught >> (SIGTERM - 1) & 1) && (caught >> (SIGINT - 1) & 1);
+        return (caught >> (SIGTERM - 1) & 1) && (caught >> (SIGINT - 1) & 1) && (caught >> (SIGPIPE - 1) & 1);
       }
       return false;
     });
