@@ -381,7 +381,8 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
       view_of(entries[i], spans[i], nullptr, device).copy_(tensors[i].detach());
     }
   }
-  reservation->commit();
+  // This is a publish: its copying is part of the handover, as publish() stamps it.
+  reservation->commit(Reservation::HandoverFrom::Reserve);
   return true;
 }
 

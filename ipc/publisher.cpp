@@ -854,14 +854,15 @@ Reservation::~Reservation() {
   state_->abandon();
 }
 
-void Reservation::commit() {
+void Reservation::commit(HandoverFrom from) {
   if (state_ == nullptr) fail(ErrorCode::InvalidArgument, "reservation was already committed");
   state_->refuse_if_forked();
   if (streaming_) detail::finish_streaming();
   auto* state = std::exchange(state_, nullptr);
   state->reservation_open = false;
-  // For the in-place path the handoff starts here: the writing before it is the caller's.
-  state->shared_slot(state->open_slot).publish_start_ns = ipc::monotonic_ns();
+  // reserve() stamped the start; writing the slot in place is the caller's own work unless
+  // it said otherwise, and then the handover starts here.
+  if (from == HandoverFrom::Commit) state->shared_slot(state->open_slot).publish_start_ns = ipc::monotonic_ns();
   state->finish(state->published, payload_bytes_);
 }
 

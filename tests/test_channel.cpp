@@ -217,6 +217,40 @@ TEST_F(Channel, AbandonedReservationPublishesNothing) {
   EXPECT_EQ(cli::check_bucket(bucket->view(), workload.seed, 0), "");
 }
 
+// A reservation's handover starts at commit(), after the caller's own writing, unless commit()
+// is told it stands for a publish() and began at reserve().
+TEST_F(Channel, ReservationStampsItsHandoverWhereCommitSays) {
+  auto now_ns = [] {
+    timespec now{};
+    ::clock_gettime(CLOCK_MONOTONIC, &now);
+    return static_cast<std::uint64_t>(now.tv_sec) * 1'000'000'000 + static_cast<std::uint64_t>(now.tv_nsec);
+  };
+  Workload workload{.tensors = 2, .tensor_bytes = 64};
+  auto publisher = Publisher::create(channel);
+  auto subscriber = Subscriber::attach(channel, 1s);
+  for (auto from : {Reservation::HandoverFrom::Commit, Reservation::HandoverFrom::Reserve}) {
+    auto before_reserve = now_ns();
+    auto reservation = publisher.reserve(cli::make_layout(workload, 0), 1s);
+    ASSERT_TRUE(reservation.has_value());
+    auto reserved = now_ns();
+    std::this_thread::sleep_for(2ms);  // the writing, as long as it takes
+    for (std::uint32_t t = 0; t < workload.tensors; ++t) {
+      cli::fill_tensor(reservation->entry_spans()[t], workload, 0, t);
+    }
+    auto before_commit = now_ns();
+    reservation->commit(from);
+    auto bucket = next_bucket(subscriber, 1s);
+    EXPECT_EQ(cli::check_bucket(bucket.view(), workload.seed, 0), "");
+    if (from == Reservation::HandoverFrom::Commit) {
+      EXPECT_GE(bucket.publish_start_ns(), before_commit);
+    } else {
+      EXPECT_GE(bucket.publish_start_ns(), before_reserve);
+      EXPECT_LE(bucket.publish_start_ns(), reserved);
+    }
+    EXPECT_LE(bucket.publish_start_ns(), bucket.published_ns());
+  }
+}
+
 // The producer rewrites only the bytes of a slot's manifest that changed: a layout of the
 // same size with other names, then the first one again, each arrives as sent.
 TEST_F(Channel, SlotManifestFollowsEveryLayoutChange) {

@@ -184,9 +184,15 @@ class Reservation {
   // copy. InvalidArgument unless there is one source per entry.
   void write_all(std::span<const void* const> sources);
 
+  // When the handover of a reserved bucket began, as ReceivedBucket::publish_start_ns() tells
+  // it: at commit(), when the writing before it was the caller's own work (computing the
+  // tensors in place); at reserve(), when reserve-write-commit stands for one publish() (the
+  // torch bridge's publish from tensors), which is stamped from its start.
+  enum class HandoverFrom { Commit, Reserve };
+
   // Publishes what was written (on a device: what was queued on the reservation's stream
   // so far). InvalidArgument when called twice.
-  void commit();
+  void commit(HandoverFrom from = HandoverFrom::Commit);
 
  private:
   friend class Publisher;
@@ -212,7 +218,8 @@ class ReceivedBucket {
   // The producer's incarnation (Publisher::incarnation()): sequences count within one.
   std::uint64_t incarnation() const noexcept { return incarnation_; }
   // CLOCK_MONOTONIC times: when the producer began handing this bucket over (the start of
-  // publish(), or of commit() for a reservation), and when it became visible to consumers.
+  // publish(), or for a reservation of commit() or reserve(), as commit() was told), and when
+  // it became visible to consumers.
   std::uint64_t publish_start_ns() const noexcept { return publish_start_ns_; }
   std::uint64_t published_ns() const noexcept { return published_ns_; }
 

@@ -53,6 +53,8 @@ TorchBucket make_bucket(const NamedTensors& tensors, std::uint64_t version = 0,
 
 // The in-place path: reserves a slot laid out for `tensors`, copies each straight into shared
 // memory, and commits. False when no slot came free within `timeout` (nothing published).
+// Stamped as publish() is: the bucket's publish_start_ns is when the slot was reserved, so
+// its latency includes the copy.
 bool publish_in_place(Publisher& publisher, const NamedTensors& tensors,
                       std::chrono::milliseconds timeout, std::uint64_t version = 0,
                       std::uint32_t bucket_index = 0, std::uint32_t bucket_count = 1,

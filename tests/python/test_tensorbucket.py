@@ -840,6 +840,20 @@ def test_a_bucket_says_when_it_was_published_on_the_monotonic_clock(channel):
         assert before <= bucket.publish_start_ns <= bucket.published_ns <= bucket.received_ns <= after
 
 
+def test_publish_start_ns_is_taken_before_the_payload_is_copied(channel):
+    # publish() copies 64 MiB into the slot: its handover began before that copy, not after it.
+    weights = {"w": torch.ones(16 << 20)}
+    with tensorbucket.Publisher(channel) as publisher, tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+        lead_over_handover = []
+        for _ in range(3):  # the least of three, for a machine that may stall between two calls
+            before = time.monotonic_ns()
+            publisher.publish(weights)
+            with subscriber.next(timeout=5) as bucket:
+                lead_over_handover.append((bucket.publish_start_ns - before) /
+                                          (bucket.published_ns - bucket.publish_start_ns))
+        assert min(lead_over_handover) < 1, lead_over_handover
+
+
 def test_version_is_the_meson_project_version():
     meson_build = (pathlib.Path(__file__).resolve().parents[2] / "meson.build").read_text()
     assert tensorbucket.__version__ == re.search(r"version: '([^']+)'", meson_build).group(1)
