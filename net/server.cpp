@@ -33,6 +33,9 @@ constexpr auto kCloseLimit = 1s;
 constexpr auto kRefusalGrace = 1s;       // for a refusal to reach its peer before the link closes
 constexpr auto kLocalSlice = 1ms;        // a wait on the local channel, between network looks
 constexpr double kSlowestBytesPerMs = 10e3;  // a bucket's payload may take its size at 10 MB/s
+// A relay turned away retries every 2 s, and anyone who can reach the port can connect: one
+// line per this long, with a count of the ones it passed over, keeps the log readable.
+constexpr auto kTurnedAwayLogEvery = 30s;
 
 // A small message under way and the bytes it sends: a list entry, so the bytes never move.
 struct Small {
@@ -64,9 +67,15 @@ struct Peer {
   std::uint64_t posted = 0;           // bytes of the current payload sent to it so far
   std::list<Small> small;             // challenge, welcome, refusal, heartbeats
   std::string problem;                // set: drop it
+  bool transfer_failed = false;       // the problem is a UCX transfer's error
   Clock::time_point close_by{};       // refused: closed once told, or at this time
 
   bool live() const { return problem.empty(); }
+  void fail_transfer(const Error& e) {
+    if (!problem.empty()) return;
+    problem = e.what();
+    transfer_failed = true;
+  }
   bool serving() const { return authenticated && live(); }
 };
 
@@ -129,7 +138,7 @@ bool settle(Peer& peer) {
     std::erase_if(peer.bucket_sends, [](Request& request) { return request.done(); });
     peer.small.remove_if([](Small& small) { return small.request.done(); });
   } catch (const Error& e) {
-    if (peer.problem.empty()) peer.problem = e.what();
+    peer.fail_transfer(e);
   }
   return peer.bucket_sends.empty() && peer.small.empty();
 }
@@ -152,6 +161,8 @@ struct ServerState {
   ucp_listener_h listener = nullptr;
   std::vector<ucp_conn_request_h> incoming;  // filled by the listener's callback
   std::list<Peer> peers;                     // a list: peers keep their addresses
+  Clock::time_point turned_away_logged{};    // the last "turned ... away" line
+  std::size_t turned_away_quietly = 0;       // connections turned away since, unlogged
   std::optional<ReceivedBucket> current;  // being sent; its lease held until every send is done
   std::span<const std::byte> payload;      // its payload, on the host
   std::span<const std::byte> on_wire;      // what is sent of it: the same bytes (but in a test build)
@@ -185,7 +196,7 @@ struct ServerState {
     try {
       small.request = send(worker.get(), peer.endpoint.ep, small.bytes, tag(kind));
     } catch (const Error& e) {
-      if (peer.problem.empty()) peer.problem = e.what();
+      peer.fail_transfer(e);
     }
   }
 
@@ -197,9 +208,18 @@ struct ServerState {
       std::size_t serving = 0, pending = 0;
       for (const auto& peer : peers) (peer.authenticated ? serving : pending) += 1;
       if (serving >= options.max_peers || pending >= kMaxPending) {
-        log("turned " + from + " away: " + (pending >= kMaxPending ? std::to_string(kMaxPending) + " connections proving the token already"
-                                                                   : "max_peers (" + std::to_string(options.max_peers) + ") reached"));
         ucp_listener_reject(listener, request);
+        auto now = Clock::now();
+        if (turned_away_logged != Clock::time_point{} && now - turned_away_logged < kTurnedAwayLogEvery) {
+          ++turned_away_quietly;
+          continue;
+        }
+        auto more = std::exchange(turned_away_quietly, 0);
+        turned_away_logged = now;
+        log("turned " + from + " away: " +
+            (pending >= kMaxPending ? std::to_string(kMaxPending) + " connections proving the token already"
+                                    : "max_peers (" + std::to_string(options.max_peers) + ") reached") +
+            (more == 0 ? "" : " (and " + std::to_string(more) + " more since the last such line)"));
         continue;
       }
       auto& peer = peers.emplace_back();
@@ -311,8 +331,10 @@ struct ServerState {
     auto now = Clock::now();
     for (auto it = peers.begin(); it != peers.end();) {
       auto& peer = *it;
-      if (peer.endpoint.failed != UCS_OK && peer.problem.empty()) {
-        peer.problem = std::string("the link failed: ") + ucs_status_string(peer.endpoint.failed);
+      // A transfer under way fails with the link, and says less than the link's end does.
+      if (peer.endpoint.failed != UCS_OK && (peer.problem.empty() || peer.transfer_failed)) {
+        peer.problem = std::string("the link ended (") + ucs_status_string(peer.endpoint.failed) +
+                       "): the relay left, or its host or the network failed";
       }
       if (!peer.authenticated && peer.live() && now - peer.since > kProofTimeout) {
         refuse(peer, Refusal::Other, "no proof of the token within " + std::to_string(kProofTimeout.count()) + " s");
@@ -401,7 +423,7 @@ struct ServerState {
         peer.taking = !whole;
         peer.posted = 0;
       } catch (const Error& e) {
-        peer.problem = e.what();
+        peer.fail_transfer(e);
       }
       peer.last_sent = Clock::now();
       any = true;
@@ -441,7 +463,7 @@ struct ServerState {
       peer.last_sent = Clock::now();
       return true;
     } catch (const Error& e) {
-      peer.problem = e.what();
+      peer.fail_transfer(e);
       return false;
     }
   }
