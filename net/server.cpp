@@ -569,6 +569,10 @@ Server Server::start(std::string_view channel, const ServeOptions& options, std:
   if (options.peer_timeout > kLongestTimeout) {  // now() + it would wrap into the past
     throw Error(ErrorCode::InvalidArgument, "serve's peer_timeout is at most 10^9 s");
   }
+  if (options.max_peers > kMostPeers) {
+    throw Error(ErrorCode::InvalidArgument, "serve's max_peers is at most " + std::to_string(kMostPeers) + ", not " +
+                                                std::to_string(options.max_peers));
+  }
   auto address = detail::parse_address(options.listen, true);
   detail::check_listenable(address);
   auto subscriber = Subscriber::attach(channel, attach_timeout, {.follow_restarts = true});

@@ -213,7 +213,7 @@ int main(int argc, char** argv) {
   serve_command->add_option("--peer-timeout-ms", serve.peer_timeout_ms,
                             "A relay that takes no bucket within this is dropped (it reconnects)")
       ->check(whole_number(1, net::kLongestTimeout.count()));
-  serve_command->add_option("--max-peers", serve.max_peers, "Relays at once")->check(whole_number(1, 1024));
+  serve_command->add_option("--max-peers", serve.max_peers, "Relays at once")->check(whole_number(1, net::kMostPeers));
   serve_command->add_option("--timeout-ms", serve.timeout_ms, "Wait for the channel's producer at most this long")
       ->check(whole_number(0, kAny));
 

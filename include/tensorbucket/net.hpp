@@ -49,6 +49,9 @@ std::string read_token_file(const std::string& path);
 
 // The longest peer_timeout and idle_timeout: 10^9 s (InvalidArgument past it).
 inline constexpr std::chrono::milliseconds kLongestTimeout{1'000'000'000'000};
+// The most relays one server serves at once (InvalidArgument past it): each holds a
+// connection and gets each bucket's sends, from one thread.
+inline constexpr std::uint32_t kMostPeers = 1024;
 
 struct ServeOptions {
   // "ADDRESS:PORT" ("[ADDRESS]:PORT" for IPv6), an address of this host: there is no default,
@@ -56,7 +59,7 @@ struct ServeOptions {
   std::string listen;
   std::string token;  // read_token_file()
   std::chrono::milliseconds peer_timeout{10000};  // a peer that takes no bucket within this is dropped
-  std::uint32_t max_peers = 16;
+  std::uint32_t max_peers = 16;  // 1 to kMostPeers
   std::uint32_t window = 2;  // buckets sent to a peer before it acknowledged the first of them
 };
 

@@ -556,7 +556,7 @@ class Server:
         others may read (0600): ChannelError PermissionDenied otherwise.
     peer_timeout: a relay that takes no bucket within this is dropped (plus its size at
         10 MB/s), so a slow or dead host holds the channel at most that long.
-    max_peers: relays served at once; more are refused until one leaves.
+    max_peers: relays served at once (1 to 1024); more are refused until one leaves.
     window: buckets sent to a relay before it acknowledged the first of them.
 
     Raises InvalidArgument for a bad address or option, NetworkError when the address cannot

@@ -136,6 +136,8 @@ def test_server_errors_name_what_is_wrong(tmp_path):
                 tensorbucket.Server(channel, address, token)
         with pytest.raises(tensorbucket.InvalidArgument, match="peer_timeout"):
             tensorbucket.Server(channel, "127.0.0.1:0", token, peer_timeout=0)
+        with pytest.raises(tensorbucket.InvalidArgument, match="max_peers is at most 1024, not 1025"):
+            tensorbucket.Server(channel, "127.0.0.1:0", token, max_peers=1025)
         with pytest.raises(tensorbucket.InvalidArgument, match="window"):
             tensorbucket.Server(channel, "127.0.0.1:0", token, window=0)
         with pytest.raises(TypeError, match="listen"):
