@@ -158,6 +158,9 @@ int run_relay(const RelayOptions& options) {
   // mistyped port or a server not up yet is never silent, and never told every 2 s either.
   std::set<std::string> told;
   auto lost = [&](const std::string& why, bool even_quiet = false) {
+    // Some reasons carry changing figures (a local consumer's pid and wait): held to a bound,
+    // the set never grows with an outage that lasts for days.
+    if (told.size() >= 64) told.clear();
     log(why + "; reconnecting", told.insert(why).second || even_quiet);
   };
   while (stop_signal() == 0 && (options.buckets == 0 || relayed < options.buckets)) {
