@@ -174,7 +174,7 @@ struct ServerState {
   pid_t pid = ::getpid();  // the serving process; a forked child inherits this, not the role
 
   ServerState(Subscriber sub, const ServeOptions& serve, const std::string& interface)
-      : options(serve), subscriber(std::move(sub)), worker(interface) {}
+      : options(serve), subscriber(std::move(sub)), worker(interface, /*progress_calls=*/1) {}  // turn() hears between them
   ~ServerState() {
     for (auto& peer : peers) detail::close(worker, peer.endpoint, kCloseLimit);
     peers.clear();
@@ -274,9 +274,8 @@ struct ServerState {
   // whose key it carries. Anything else is taken off the queue (so that nothing piles up in
   // it) and fails the peer whose key it carries. A message not here whole at once came by
   // rendezvous, which no honest peer uses for these: its sender is failed too. All of the
-  // queue, every turn: a flood of messages no peer's key names, which anyone who can connect
-  // can send, must not hold back the acknowledgements behind it. It holds only what the
-  // turn's bounded progress brought in.
+  // queue, after every progress call: a flood of messages no peer's key names, which anyone
+  // who can connect can send, must not hold back the acknowledgements behind it, nor pile up.
   void hear() {
     std::erase_if(lingering, [](const Lingering& receive) { return receive.request.ended(); });
     for (;;) {
@@ -483,7 +482,14 @@ struct ServerState {
 
   // One turn of the loop.
   void turn() {
-    bool moved = worker.progress();
+    // Each progress call's messages are taken off the queue before the next call: one call
+    // reads a few of UCX's receive buffers at most, while a turn's worth of calls, with serve
+    // behind a flood (a loaded host), queued hundreds of MiB of messages.
+    bool moved = false;
+    for (int call = 0; call < Worker::kProgressCalls && worker.progress(); ++call) {
+      moved = true;
+      hear();
+    }
     admit();
     hear();
     for (auto& peer : peers) settle(peer);

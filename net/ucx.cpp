@@ -257,7 +257,7 @@ std::string rdma_ports() {
 
 }  // namespace
 
-Worker::Worker(const std::string& interface) {
+Worker::Worker(const std::string& interface, int progress_calls) : progress_calls_(progress_calls) {
   ucp_config_t* config = nullptr;
   if (auto status = ucp_config_read(nullptr, nullptr, &config); status != UCS_OK) fail_ucx("ucp_config_read", status);
   // Unless the user named the devices: in the environment (even "all"), or in a ucx.conf. A
@@ -319,7 +319,7 @@ Worker::~Worker() {
 
 bool Worker::progress() noexcept {
   bool any = false;
-  for (int call = 0; call < kProgressCalls && ucp_worker_progress(worker_) != 0; ++call) any = true;
+  for (int call = 0; call < progress_calls_ && ucp_worker_progress(worker_) != 0; ++call) any = true;
   return any;
 }
 

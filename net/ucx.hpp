@@ -48,16 +48,17 @@ class Worker {
   // UCX opens listening sockets of its own for its TCP transport, by default on every network
   // interface, and speaks its own protocol there before our handshake. `interface` holds its
   // network devices to that one and the host's RDMA ports, unless its configuration (the
-  // environment or a ucx.conf) names the devices itself.
-  explicit Worker(const std::string& interface = {});
+  // environment or a ucx.conf) names the devices itself. `progress_calls` bounds each
+  // progress(), below.
+  explicit Worker(const std::string& interface = {}, int progress_calls = kProgressCalls);
   ~Worker();
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
 
   ucp_worker_h get() const noexcept { return worker_; }
-  // Runs UCX's progress until it has nothing more to do, or kProgressCalls times: a peer that
-  // keeps sending must not keep its caller from its other work or its deadlines. True when it
-  // did something.
+  // Runs UCX's progress until it has nothing more to do, or `progress_calls` times (by default
+  // kProgressCalls): a peer that keeps sending must not keep its caller from its other work or
+  // its deadlines. True when it did something.
   static constexpr int kProgressCalls = 256;
   bool progress() noexcept;
   // Sleeps until the network has something for this worker, `limit` at most. UCX's wake-up
@@ -68,6 +69,7 @@ class Worker {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   int event_fd_ = -1;
+  int progress_calls_ = kProgressCalls;
 };
 
 // The pause between a transfer's progress calls (it moves only in them, in this thread): none
