@@ -200,10 +200,24 @@ struct RemoteState {
     }
   }
 
+  // Before its welcome a server sends a challenge, the welcome or a refusal, nothing else.
+  // Anything else would stay in the queue; and whoever answers at the address, token or not,
+  // could fill it: the link is dropped at the first such message.
+  void strays_before_welcome() {
+    if (auto oldest = oldest_tag(worker.get())) {
+      auto kind = static_cast<Kind>(*oldest >> 56);
+      if (kind != Kind::Challenge && kind != Kind::Welcome && kind != Kind::Refused) {
+        lost("a message of kind " + std::to_string(static_cast<int>(kind)) +
+             " before the welcome, which a tensorbucket server does not send then");
+      }
+    }
+  }
+
   void handshake(Clock::time_point until, std::string_view token) {
     std::vector<std::byte> bytes;
     Challenge challenge{};
-    while (!take(Kind::Challenge, bytes, sizeof challenge, std::min(until, Clock::now() + 50ms))) {
+    while (!take(Kind::Challenge, bytes, sizeof challenge, std::min(until, Clock::now() + 10ms))) {
+      strays_before_welcome();
       refused_or_silent();
       if (Clock::now() >= until) lost("no answer to connect");
     }
@@ -221,7 +235,8 @@ struct RemoteState {
     auto sending = send(worker.get(), endpoint.ep, std::as_bytes(std::span(&proof, 1)), tag(Kind::Proof, key));
     wait_for(sending, until);
     Welcome welcome{};
-    while (!take(Kind::Welcome, bytes, sizeof welcome, std::min(until, Clock::now() + 50ms))) {
+    while (!take(Kind::Welcome, bytes, sizeof welcome, std::min(until, Clock::now() + 10ms))) {
+      strays_before_welcome();
       refused_or_silent();
       if (Clock::now() >= until) lost("no welcome after the proof");
     }

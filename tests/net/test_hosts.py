@@ -557,6 +557,32 @@ def test_a_flood_from_links_without_the_token_neither_piles_up_nor_stalls_a_rela
     assert "dropped" not in h.text("serve")
 
 
+def test_a_server_that_floods_instead_of_a_challenge_neither_fills_a_relay_nor_stops_it(same_host):
+    """Whoever answers at the relay's address, without the token, can send before the welcome:
+    a flood of heartbeats there drops the link at once (the relay's memory stays put, and it
+    says why), and the relay keeps trying until the real server is back."""
+    h, count, address = same_host, 50, "127.0.0.1:17012"
+    flooder = h.run("flooder", os.environ["TBUCKET_FLOODING_SERVER"], address, "6")
+    wait_for(lambda: "listening" in h.lines("flooder"), 30, "the flooding server to listen")
+    relay = h.relay(address)
+    before, peak = None, 0
+    while flooder.poll() is None:
+        rss = anonymous_rss_mib(relay.pid)
+        before = before if before is not None else rss
+        peak = max(peak, rss)
+        time.sleep(0.05)
+    accepted, flooded = int(h.lines("flooder")[-1].split()[1]), int(h.lines("flooder")[-1].split()[3])
+    assert accepted >= 2 and flooded > 1000, h.lines("flooder")  # the relay came back, and was flooded
+    assert peak - before < 64, f"the relay grew from {before:.0f} to {peak:.0f} MiB under the flood"
+    assert "a message of kind 8 before the welcome" in h.text("relay")
+    assert relay.poll() is None, h.text("relay")
+    h.trainer(interval_ms=10)
+    h.serve(address)
+    server = h.server(count)
+    assert server.wait(timeout=60) == 0, h.text("relay")
+    assert len(buckets(h, "server")) == count
+
+
 def test_a_relay_once_served_outlasts_a_refusal_of_its_token(same_host):
     """A relay refused at its first connect exits (test_wrong_token_is_refused); once a server
     took its token, whatever refuses it later (here another server on the same port, with
