@@ -195,34 +195,54 @@ struct RemoteState {
   void refused_or_silent() {
     std::vector<std::byte> why;
     if (take(Kind::Refused, why, kMaxRefusalBytes, Clock::now())) refused(why);
+    silent_too_long();
+  }
+
+  void silent_too_long() {
     if (Clock::now() - last_heard > options.idle_timeout) {
       lost("no word for " + std::to_string(options.idle_timeout.count()) + " ms");
     }
   }
 
-  // Before its welcome a server sends a challenge, the welcome or a refusal, nothing else.
-  // Anything else would stay in the queue; and whoever answers at the address, token or not,
-  // could fill it: the link is dropped at the first such message.
-  void strays_before_welcome() {
-    if (auto oldest = oldest_tag(worker.get())) {
-      auto kind = static_cast<Kind>(*oldest >> 56);
-      if (kind != Kind::Challenge && kind != Kind::Welcome && kind != Kind::Refused) {
-        lost("a message of kind " + std::to_string(static_cast<int>(kind)) +
-             " before the welcome, which a tensorbucket server does not send then");
+  // The handshake's next message, which must be `kind`: whoever answers at the address needs no
+  // token to send here. So the oldest message waiting is looked at after each progress call:
+  // a refusal is taken, anything else drops the link, as does a message that did not come
+  // whole at once (by rendezvous, which no honest server uses for these). Nothing piles up.
+  std::vector<std::byte> handshake_message(Kind kind, std::size_t size, Clock::time_point until,
+                                           std::string_view name) {
+    for (;;) {
+      check_link();
+      if (auto oldest = oldest_tag(worker.get())) {
+        auto found_kind = static_cast<Kind>(*oldest >> 56);
+        if (found_kind != kind && found_kind != Kind::Refused) {
+          lost("a message of kind " + std::to_string(static_cast<int>(found_kind)) + " where a " +
+               std::string(name) + " was due");
+        }
+        std::size_t length = 0;
+        auto* found = probe(worker.get(), tag(found_kind), kKindMask, &length);  // the oldest one
+        if (found == nullptr) continue;
+        std::size_t most = found_kind == Kind::Refused ? kMaxRefusalBytes : size;
+        if (length > most || (found_kind == kind && length != size)) {
+          discard(found);
+          lost("a malformed " + std::string(found_kind == Kind::Refused ? "refusal" : name));
+        }
+        message.resize(length);  // a member: UCX may still write there if it did not come whole
+        if (!receive(worker.get(), found, message).done()) lost("a " + std::string(name) + " not whole at once");
+        if (found_kind == Kind::Refused) refused(message);
+        last_heard = Clock::now();
+        return message;
       }
+      if (Clock::now() >= until) lost("no " + std::string(name) + " in time");
+      silent_too_long();
+      worker.wait(std::chrono::microseconds(100));
     }
   }
 
   void handshake(Clock::time_point until, std::string_view token) {
-    std::vector<std::byte> bytes;
-    Challenge challenge{};
-    while (!take(Kind::Challenge, bytes, sizeof challenge, std::min(until, Clock::now() + 10ms))) {
-      strays_before_welcome();
-      refused_or_silent();
-      if (Clock::now() >= until) lost("no answer to connect");
-    }
+    worker.set_progress_calls(1);  // handshake_message() looks at the queue after each
+    auto bytes = handshake_message(Kind::Challenge, sizeof(Challenge), until, "challenge");
     challenged = true;
-    if (bytes.size() != sizeof challenge) lost("a malformed challenge");
+    Challenge challenge{};
     std::memcpy(&challenge, bytes.data(), sizeof challenge);
     if (challenge.magic != kMagic) lost("not a tensorbucket server");
     if (challenge.version != kProtocolVersion) {
@@ -234,13 +254,9 @@ struct RemoteState {
     random_bytes(proof.nonce.data(), proof.nonce.size());
     auto sending = send(worker.get(), endpoint.ep, std::as_bytes(std::span(&proof, 1)), tag(Kind::Proof, key));
     wait_for(sending, until);
+    bytes = handshake_message(Kind::Welcome, sizeof(Welcome), until, "welcome");
+    worker.set_progress_calls(Worker::kProgressCalls);
     Welcome welcome{};
-    while (!take(Kind::Welcome, bytes, sizeof welcome, std::min(until, Clock::now() + 10ms))) {
-      strays_before_welcome();
-      refused_or_silent();
-      if (Clock::now() >= until) lost("no welcome after the proof");
-    }
-    if (bytes.size() != sizeof welcome) lost("a malformed welcome");
     std::memcpy(&welcome, bytes.data(), sizeof welcome);
     if (!same_digest(welcome.proof, server_proof(token, proof.nonce, key))) {
       broken = true;

@@ -174,7 +174,9 @@ struct ServerState {
   pid_t pid = ::getpid();  // the serving process; a forked child inherits this, not the role
 
   ServerState(Subscriber sub, const ServeOptions& serve, const std::string& interface)
-      : options(serve), subscriber(std::move(sub)), worker(interface, /*progress_calls=*/1) {}  // turn() hears between them
+      : options(serve), subscriber(std::move(sub)), worker(interface) {
+    worker.set_progress_calls(1);  // turn() hears after each
+  }
   ~ServerState() {
     for (auto& peer : peers) detail::close(worker, peer.endpoint, kCloseLimit);
     peers.clear();

@@ -257,7 +257,7 @@ std::string rdma_ports() {
 
 }  // namespace
 
-Worker::Worker(const std::string& interface, int progress_calls) : progress_calls_(progress_calls) {
+Worker::Worker(const std::string& interface) {
   ucp_config_t* config = nullptr;
   if (auto status = ucp_config_read(nullptr, nullptr, &config); status != UCS_OK) fail_ucx("ucp_config_read", status);
   // Unless the user named the devices: in the environment (even "all"), or in a ucx.conf. A

@@ -48,19 +48,22 @@ class Worker {
   // UCX opens listening sockets of its own for its TCP transport, by default on every network
   // interface, and speaks its own protocol there before our handshake. `interface` holds its
   // network devices to that one and the host's RDMA ports, unless its configuration (the
-  // environment or a ucx.conf) names the devices itself. `progress_calls` bounds each
-  // progress(), below.
-  explicit Worker(const std::string& interface = {}, int progress_calls = kProgressCalls);
+  // environment or a ucx.conf) names the devices itself.
+  explicit Worker(const std::string& interface = {});
   ~Worker();
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
 
   ucp_worker_h get() const noexcept { return worker_; }
-  // Runs UCX's progress until it has nothing more to do, or `progress_calls` times (by default
-  // kProgressCalls): a peer that keeps sending must not keep its caller from its other work or
-  // its deadlines. True when it did something.
+  // Runs UCX's progress until it has nothing more to do, or kProgressCalls times (or as many
+  // as set_progress_calls() says): a peer that keeps sending must not keep its caller from its
+  // other work or its deadlines. True when it did something.
   static constexpr int kProgressCalls = 256;
   bool progress() noexcept;
+  // Fewer calls per progress(), down to one for a caller that reads the queue after each:
+  // what a peer sends, token or not, then piles up only as far as one call reads. wait()
+  // runs progress() too.
+  void set_progress_calls(int calls) noexcept { progress_calls_ = calls; }
   // Sleeps until the network has something for this worker, `limit` at most. UCX's wake-up
   // event does not fire for every transport (not for shared memory): callers keep it short.
   void wait(std::chrono::microseconds limit);

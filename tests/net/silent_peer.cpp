@@ -1,7 +1,8 @@
 // A peer that connects and never proves the token, for the network tests (tests/net): it opens
 // CONNECTIONS links to ADDRESS at once, holds them for SECONDS, and prints how many the server
 // challenged, refused and cut off. With `flood`, it sends meanwhile, as fast as the links take
-// them, small messages under keys the server gave no link, and prints how many went out.
+// them, small messages under keys the server gave no link, prints "all challenged" as soon
+// as the server challenged every link, and at the end how many messages went out.
 // Usage: silent-peer ADDRESS CONNECTIONS SECONDS [flood]
 #include <chrono>
 #include <cstdio>
@@ -51,7 +52,12 @@ int main(int argc, char** argv) {
   std::deque<Request> sending;  // a bounded number under way
   while (Clock::now() < until) {
     worker.progress();
+    bool all = challenged == static_cast<int>(links.size());
     challenged += drain(worker, Kind::Challenge);
+    if (flood && !all && challenged == static_cast<int>(links.size())) {
+      std::printf("all challenged\n");  // the flood is on
+      std::fflush(stdout);
+    }
     refused += drain(worker, Kind::Refused);
     if (!flood) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
