@@ -34,7 +34,8 @@ struct RemoteState {
   std::string address;
   std::string channel;  // the one served
   ConnectOptions options;
-  // Buffers UCX may still write into until the worker is gone: declared before it.
+  // Buffers UCX may still use until the worker is gone: declared before it.
+  ProofMessage proof{};  // sent in the handshake
   std::vector<std::byte> message;
   std::shared_ptr<AlignedBuffer> buffer;  // a payload that came in chunks
   std::shared_ptr<AlignedBuffer> inbox;   // a Bucket message, with its payload when it came whole
@@ -205,9 +206,10 @@ struct RemoteState {
   }
 
   // The handshake's next message, which must be `kind`: whoever answers at the address needs no
-  // token to send here. So the oldest message waiting is looked at after each progress call:
-  // a refusal is taken, anything else drops the link, as does a message that did not come
-  // whole at once (by rendezvous, which no honest server uses for these). Nothing piles up.
+  // token to send here. So the oldest message waiting is looked at after every short wait (a
+  // few single progress calls): a refusal is taken, anything else drops the link, as does a
+  // message that did not come whole at once (by rendezvous, which no honest server uses for
+  // these: they are a few hundred bytes). Nothing piles up.
   std::vector<std::byte> handshake_message(Kind kind, std::size_t size, Clock::time_point until,
                                            std::string_view name) {
     for (;;) {
@@ -220,7 +222,7 @@ struct RemoteState {
         }
         std::size_t length = 0;
         auto* found = probe(worker.get(), tag(found_kind), kKindMask, &length);  // the oldest one
-        if (found == nullptr) continue;
+        if (found == nullptr) lost("a message that vanished from the queue");
         std::size_t most = found_kind == Kind::Refused ? kMaxRefusalBytes : size;
         if (length > most || (found_kind == kind && length != size)) {
           discard(found);
@@ -250,10 +252,11 @@ struct RemoteState {
            std::to_string(kProtocolVersion));
     }
     key = challenge.key;
-    ProofMessage proof{kMagic, kProtocolVersion, 0, client_proof(token, challenge.nonce, key), {}};
+    proof = {kMagic, kProtocolVersion, 0, client_proof(token, challenge.nonce, key), {}};
     random_bytes(proof.nonce.data(), proof.nonce.size());
+    // Not waited for until a true welcome came, since such a wait does not look at the queue;
+    // a server that answers has it.
     auto sending = send(worker.get(), endpoint.ep, std::as_bytes(std::span(&proof, 1)), tag(Kind::Proof, key));
-    wait_for(sending, until);
     bytes = handshake_message(Kind::Welcome, sizeof(Welcome), until, "welcome");
     worker.set_progress_calls(Worker::kProgressCalls);
     Welcome welcome{};
@@ -263,6 +266,7 @@ struct RemoteState {
       detail::close(worker, endpoint, kCloseLimit);
       throw Error(ErrorCode::Unauthorized, address + " did not prove it holds the token");
     }
+    wait_for(sending, until);
     std::string_view served(welcome.channel.data(), std::min<std::size_t>(welcome.channel_bytes, welcome.channel.size()));
     if (!options.channel.empty() && served != options.channel) {
       broken = true;

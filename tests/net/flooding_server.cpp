@@ -1,8 +1,8 @@
 // A server without the token, for the network tests (tests/net): it listens on ADDRESS for
 // SECONDS and floods each link it accepts, as fast as the link takes them, with messages a
 // relay does not wait for in its handshake: heartbeats or welcomes where the challenge is due,
-// or, after a challenge, more challenges where the welcome is due. Then it prints how many
-// links it accepted and how many messages went out.
+// or, after a challenge, more challenges where the welcome is due. It prints "accepted a link"
+// at the first, and at the end how many links it accepted and how many messages went out.
 // Usage: flooding-server ADDRESS SECONDS heartbeats|welcomes|challenges
 #include <chrono>
 #include <cstdio>
@@ -65,7 +65,10 @@ int main(int argc, char** argv) {
     for (auto* request : std::exchange(incoming, {})) {
       auto& link = links.emplace_back();
       accept(worker.get(), link, request);
-      ++accepted;
+      if (++accepted == 1) {
+        std::printf("accepted a link\n");  // the flood is on
+        std::fflush(stdout);
+      }
       if (mode == "challenges") {
         sending.push_back(send(worker.get(), link.ep, std::as_bytes(std::span(&challenge, 1)), tag(Kind::Challenge)));
       }
