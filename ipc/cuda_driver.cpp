@@ -22,46 +22,6 @@ namespace tensorbucket::ipc::cuda {
 
 namespace {
 
-struct Driver {
-  CUresult (*init)(unsigned flags);
-  CUresult (*device_count)(int* count);
-  CUresult (*device_get)(CUdevice* device, int ordinal);
-  CUresult (*device_uuid)(CUuuid* uuid, CUdevice device);
-  CUresult (*retain_primary)(CUcontext* context, CUdevice device);
-  CUresult (*push_context)(CUcontext context);
-  CUresult (*pop_context)(CUcontext* context);
-  CUresult (*allocate)(CUdeviceptr* address, std::size_t bytes);
-  CUresult (*free)(CUdeviceptr address);
-  CUresult (*export_memory)(CUipcMemHandle* handle, CUdeviceptr address);
-  CUresult (*import_memory)(CUdeviceptr* address, CUipcMemHandle handle, unsigned flags);
-  CUresult (*close_memory)(CUdeviceptr address);
-  CUresult (*address_range)(CUdeviceptr* base, std::size_t* size, CUdeviceptr address);
-  CUresult (*create_event)(CUevent* event, unsigned flags);
-  CUresult (*export_event)(CUipcEventHandle* handle, CUevent event);
-  CUresult (*import_event)(CUevent* event, CUipcEventHandle handle);
-  CUresult (*destroy_event)(CUevent event);
-  CUresult (*record_event)(CUevent event, CUstream stream);
-  CUresult (*wait_event)(CUstream stream, CUevent event, unsigned flags);
-  CUresult (*copy_batch)(CUdeviceptr* to, CUdeviceptr* from, std::size_t* bytes, std::size_t count,
-                         CUmemcpyAttributes* attributes, std::size_t* attribute_indices,
-                         std::size_t attribute_count, std::size_t* failed_index, CUstream stream);
-  CUresult (*copy)(CUdeviceptr to, CUdeviceptr from, std::size_t bytes, CUstream stream);
-  CUresult (*zero)(CUdeviceptr address, unsigned char value, std::size_t bytes, CUstream stream);
-  CUresult (*synchronize)(CUstream stream);
-  CUresult (*synchronize_event)(CUevent event);
-  CUresult (*synchronize_context)();
-  CUresult (*current_context)(CUcontext* context);
-  CUresult (*create_stream)(CUstream* stream, unsigned flags);
-  CUresult (*destroy_stream)(CUstream stream);
-  CUresult (*load_module)(CUmodule* module, const void* image);
-  CUresult (*get_function)(CUfunction* function, CUmodule module, const char* name);
-  CUresult (*unload_module)(CUmodule module);
-  CUresult (*launch)(CUfunction function, unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block_x,
-                     unsigned block_y, unsigned block_z, unsigned shared_bytes, CUstream stream, void** parameters,
-                     void** extra);
-  CUresult (*error_name)(CUresult code, const char** name);
-};
-
 Driver driver{};
 std::mutex contexts_mutex;
 std::vector<CUcontext> primary_contexts;  // by ordinal; retained for the process's life
@@ -234,8 +194,8 @@ int synchronize_context() { return driver.synchronize_context(); }
 std::mutex kernels_mutex;
 std::map<CUcontext, std::optional<CUfunction>> block_hash_kernels;  // null: refused for good
 
-bool refused_for_good(CUresult code) {
-  constexpr CUresult kNoBinaryForGpu = 209, kInvalidPtx = 218, kUnsupportedPtxVersion = 222,
+bool refused_for_good(int code) {
+  constexpr int kNoBinaryForGpu = 209, kInvalidPtx = 218, kUnsupportedPtxVersion = 222,
                      kJitCompilerNotFound = 221, kInvalidImage = 200;
   return code == kNoBinaryForGpu || code == kInvalidPtx || code == kUnsupportedPtxVersion ||
          code == kJitCompilerNotFound || code == kInvalidImage;
@@ -273,7 +233,9 @@ int hash_blocks(DeviceAddress payload, std::uint64_t bytes, DeviceAddress hashes
 
 const char* error_name(int code) {
   const char* name = nullptr;
-  if (driver.error_name == nullptr || driver.error_name(code, &name) != 0 || name == nullptr) return "unknown";
+  if (driver.error_name == nullptr || driver.error_name(static_cast<CUresult>(code), &name) != 0 || name == nullptr) {
+    return "unknown";
+  }
   return name;
 }
 
@@ -308,43 +270,17 @@ const DeviceApi* load() {
     }
     slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(function);
   };
+  // cuInit first: nothing else answers before it, and its failure says the most.
   resolve(driver.init, "cuInit", 12000);
   resolve(driver.error_name, "cuGetErrorName", 12000);
   if (auto code = driver.init(0)) {
     text::fail(ErrorCode::CudaUnavailable, "the CUDA driver found no usable device (cuInit: ",
                error_name(code), ")");
   }
-  resolve(driver.device_count, "cuDeviceGetCount", 12000);
-  resolve(driver.device_get, "cuDeviceGet", 12000);
-  resolve(driver.device_uuid, "cuDeviceGetUuid", 12000);
-  resolve(driver.retain_primary, "cuDevicePrimaryCtxRetain", 12000);
-  resolve(driver.push_context, "cuCtxPushCurrent", 12000);
-  resolve(driver.pop_context, "cuCtxPopCurrent", 12000);
-  resolve(driver.allocate, "cuMemAlloc", 12000);
-  resolve(driver.free, "cuMemFree", 12000);
-  resolve(driver.export_memory, "cuIpcGetMemHandle", 12000);
-  resolve(driver.import_memory, "cuIpcOpenMemHandle", 12000);
-  resolve(driver.close_memory, "cuIpcCloseMemHandle", 12000);
-  resolve(driver.address_range, "cuMemGetAddressRange", 12000);
-  resolve(driver.create_event, "cuEventCreate", 12000);
-  resolve(driver.export_event, "cuIpcGetEventHandle", 12000);
-  resolve(driver.import_event, "cuIpcOpenEventHandle", 12000);
-  resolve(driver.destroy_event, "cuEventDestroy", 12000);
-  resolve(driver.record_event, "cuEventRecord", 12000);
-  resolve(driver.wait_event, "cuStreamWaitEvent", 12000);
-  resolve(driver.copy_batch, "cuMemcpyBatchAsync", 12080, false);
-  resolve(driver.copy, "cuMemcpyAsync", 12000);
-  resolve(driver.zero, "cuMemsetD8Async", 12000);
-  resolve(driver.synchronize, "cuStreamSynchronize", 12000);
-  resolve(driver.synchronize_event, "cuEventSynchronize", 12000);
-  resolve(driver.synchronize_context, "cuCtxSynchronize", 12000);
-  resolve(driver.current_context, "cuCtxGetCurrent", 12000);
-  resolve(driver.create_stream, "cuStreamCreate", 12000);
-  resolve(driver.destroy_stream, "cuStreamDestroy", 12000);
-  resolve(driver.load_module, "cuModuleLoadData", 12000);
-  resolve(driver.get_function, "cuModuleGetFunction", 12000);
-  resolve(driver.unload_module, "cuModuleUnload", 12000);
-  resolve(driver.launch, "cuLaunchKernel", 12000);
+#define TENSORBUCKET_RESOLVE(member, symbol, version, pfn_version, required) \
+  resolve(driver.member, #symbol, version, required);
+  TENSORBUCKET_CUDA_ENTRY_POINTS(TENSORBUCKET_RESOLVE)
+#undef TENSORBUCKET_RESOLVE
   return &kDriverApi;
 }
 

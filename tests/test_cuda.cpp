@@ -6,8 +6,10 @@
 
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include "device_query.hpp"
 #include "ipc/cuda_driver.hpp"
@@ -31,6 +33,47 @@ static_assert(abi::kIpcMemLazyEnablePeerAccess == CU_IPC_MEM_LAZY_ENABLE_PEER_AC
 static_assert(abi::kMemcpySourceAccessOrderStream == CU_MEMCPY_SRC_ACCESS_ORDER_STREAM);
 static_assert(abi::kGetProcAddressLegacyStream == CU_GET_PROC_ADDRESS_LEGACY_STREAM);
 static_assert(abi::kStreamNonBlocking == CU_STREAM_NON_BLOCKING);
+
+// Each entry point's declared signature, its types mapped onto cuda.h's one for one, is the
+// PFN type cudaTypedefs.h gives for the version the library asks for.
+template <typename T>
+struct InCudaH {
+  using type = T;
+};
+template <typename T>
+struct InCudaH<T*> {
+  using type = typename InCudaH<T>::type*;
+};
+template <typename T>
+struct InCudaH<const T> {
+  using type = const typename InCudaH<T>::type;
+};
+template <typename R, typename... Arguments>
+struct InCudaH<R (*)(Arguments...)> {
+  using type = typename InCudaH<R>::type (*)(typename InCudaH<Arguments>::type...);
+};
+#define TENSORBUCKET_SAME_TYPE_IN_CUDA_H(ours, theirs) \
+  template <>                                          \
+  struct InCudaH<ours> {                               \
+    using type = theirs;                               \
+  };
+TENSORBUCKET_SAME_TYPE_IN_CUDA_H(abi::CUresult, ::CUresult)
+TENSORBUCKET_SAME_TYPE_IN_CUDA_H(abi::CUctx_st, ::CUctx_st)
+TENSORBUCKET_SAME_TYPE_IN_CUDA_H(abi::CUstream_st, ::CUstream_st)
+TENSORBUCKET_SAME_TYPE_IN_CUDA_H(abi::CUevent_st, ::CUevent_st)
+TENSORBUCKET_SAME_TYPE_IN_CUDA_H(abi::CUmod_st, ::CUmod_st)
+TENSORBUCKET_SAME_TYPE_IN_CUDA_H(abi::CUfunc_st, ::CUfunc_st)
+TENSORBUCKET_SAME_TYPE_IN_CUDA_H(abi::CUuuid, ::CUuuid)
+TENSORBUCKET_SAME_TYPE_IN_CUDA_H(abi::CUipcMemHandle, ::CUipcMemHandle)
+TENSORBUCKET_SAME_TYPE_IN_CUDA_H(abi::CUipcEventHandle, ::CUipcEventHandle)
+TENSORBUCKET_SAME_TYPE_IN_CUDA_H(abi::CUmemcpyAttributes, ::CUmemcpyAttributes)
+#undef TENSORBUCKET_SAME_TYPE_IN_CUDA_H
+
+#define TENSORBUCKET_CHECK_ENTRY_POINT(member, symbol, version, pfn_version, required)                   \
+  static_assert(std::is_same_v<InCudaH<decltype(abi::Driver::member)>::type, PFN_##symbol##_v##pfn_version>, \
+                #symbol " at CUDA " #version " is not declared as cudaTypedefs.h's PFN_" #symbol "_v" #pfn_version);
+TENSORBUCKET_CUDA_ENTRY_POINTS(TENSORBUCKET_CHECK_ENTRY_POINT)
+#undef TENSORBUCKET_CHECK_ENTRY_POINT
 
 TEST(Cuda, DeclaredDriverStreamHandlesMatchCudaH) {
   EXPECT_EQ(reinterpret_cast<CUstream>(abi::kStreamLegacy), CU_STREAM_LEGACY);
