@@ -265,7 +265,7 @@ void load_on_device(const NamedTensors& targets, const BucketView& bucket, const
     }
   }
   ipc::DeviceScope scope(bucket.location().device);
-  ipc::check_device(ipc::device_api().copy(copies.data(), copies.size(), stream), "cuMemcpyBatchAsync");
+  ipc::copy_batch(copies.data(), copies.size(), stream);
 }
 
 }  // namespace

@@ -17,6 +17,8 @@ namespace {
 
 std::atomic<const DeviceApi*> stand_in{nullptr};
 std::atomic<std::uint64_t> hashes_on_host{0};
+std::atomic<bool> batches_refused{false};
+std::atomic<std::uint64_t> batches_entry_by_entry{0};
 
 struct HashScratch {
   struct Buffer {
@@ -137,6 +139,22 @@ void give_back_event(int ordinal, const PooledEvent& event) noexcept {
     // Leaked: lost to reuse, never destroyed under a waiter.
   }
 }
+
+void copy_batch(const DeviceCopy* copies, std::size_t count, DeviceStream stream) {
+  const auto& api = device_api();
+  if (count > 1 && !batches_refused.load(std::memory_order_relaxed)) {
+    auto code = api.copy(copies, count, stream);
+    if (code == 0) return;
+    if (code != kDeviceInvalidValue && code != kDeviceNotSupported) check_device(code, "cuMemcpyBatchAsync");
+    // Copying the whole batch again is harmless: every copy of it writes the same bytes to
+    // the same place, in stream order.
+    batches_refused.store(true, std::memory_order_relaxed);
+  }
+  if (count > 1) ++batches_entry_by_entry;
+  for (std::size_t i = 0; i < count; ++i) check_device(api.copy(&copies[i], 1, stream), "cuMemcpyAsync");
+}
+
+std::uint64_t device_batches_copied_entry_by_entry() { return batches_entry_by_entry.load(); }
 
 DeviceEvent own_event(const DeviceHandle& handle) noexcept {
   auto& pool = event_pool();

@@ -15,6 +15,7 @@
 namespace tensorbucket::ipc {
 
 inline constexpr std::size_t kDeviceHandleBytes = 64;  // CU_IPC_HANDLE_SIZE
+inline constexpr int kDeviceInvalidValue = 1;          // CUDA_ERROR_INVALID_VALUE
 inline constexpr int kDeviceNotSupported = 801;        // CUDA_ERROR_NOT_SUPPORTED
 
 // An exported memory or event handle, as the driver writes it: opaque bytes.
@@ -93,6 +94,15 @@ struct PooledEvent {
 // context current (DeviceScope); a forked child starts with an empty pool.
 PooledEvent take_event(int ordinal);
 void give_back_event(int ordinal, const PooledEvent& event) noexcept;
+// Copies every entry of the batch on `stream`, in one submission (the table's `copy`). Where
+// the driver refuses a batch (INVALID_VALUE or NOT_SUPPORTED: seen on some streams, and
+// batching is off on some architectures), that batch and every later one in this process go
+// entry by entry. Throws CudaFailed naming the call that failed otherwise.
+void copy_batch(const DeviceCopy* copies, std::size_t count, DeviceStream stream);
+// How many batches this process copied entry by entry after such a refusal (the GPU check
+// prints it).
+std::uint64_t device_batches_copied_entry_by_entry();
+
 // This process's own event with `handle`, or null. The driver does not import a process's own
 // exports, so a producer and a consumer in one process use the event itself.
 DeviceEvent own_event(const DeviceHandle& handle) noexcept;

@@ -527,7 +527,7 @@ struct detail::PublisherState {
                         reinterpret_cast<ipc::DeviceAddress>(sources[i]), entries[i].byte_length});
     }
     ipc::DeviceScope scope(*device);
-    ipc::check_device(ipc::device_api().copy(copies.data(), copies.size(), stream), "cuMemcpyBatchAsync");
+    ipc::copy_batch(copies.data(), copies.size(), stream);
   }
 
   void remove_segments() noexcept {
@@ -841,7 +841,7 @@ void Reservation::write_all(std::span<const void* const> sources) {
                       reinterpret_cast<ipc::DeviceAddress>(sources[i]), spans_[i].size()});
   }
   ipc::DeviceScope scope(*state_->device);
-  ipc::check_device(ipc::device_api().copy(copies.data(), copies.size(), state_->stream), "cuMemcpyBatchAsync");
+  ipc::copy_batch(copies.data(), copies.size(), state_->stream);
 }
 
 PayloadLocation Reservation::location() const noexcept {

@@ -17,6 +17,12 @@ using text::Quoted;
 namespace {
 
 constexpr std::uint64_t kPageBytes = 4096;
+// A device payload takes whole pages of the driver's allocation granularity (2 MiB): smaller
+// cuMemAlloc blocks share a page with other allocations (other slots, the producer's own
+// tensors), and what an importer of one block of a shared page may map or see through
+// cuMemGetAddressRange is not something any user of CUDA IPC we know of relies on. A slot's
+// own pages keep "an import cannot reach past its block" plainly true.
+constexpr std::uint64_t kDevicePageBytes = 2 << 20;
 constexpr std::uint64_t kMinFrameCapacity = 64 * 1024;
 
 std::uint64_t round_up(std::uint64_t bytes, std::uint64_t to) { return (bytes + to - 1) / to * to; }
@@ -95,17 +101,24 @@ struct LocalExports {
   Owner owner;
   std::map<HandleBytes, std::weak_ptr<const void>> devices;  // a SlotStorage::Device each
 
-  // A forked child's copy names its parent's memory, which is not the child's to use.
+  // A forked child's copy names its parent's memory, which is not the child's to use: it is
+  // forgotten, and the child's own exports are kept from then on.
+  void forget_if_forked() {
+    if (!owner.forked()) return;
+    devices.clear();
+    owner = Owner();
+  }
   std::shared_ptr<const void> find(const HandleBytes& handle) {
     std::lock_guard lock(mutex);
-    if (owner.forked()) return nullptr;
+    forget_if_forked();
     std::erase_if(devices, [](const auto& entry) { return entry.second.expired(); });
     auto found = devices.find(handle);
     return found == devices.end() ? nullptr : found->second.lock();
   }
   void add(const HandleBytes& handle, std::weak_ptr<const void> device) {
     std::lock_guard lock(mutex);
-    if (!owner.forked()) devices[handle] = std::move(device);
+    forget_if_forked();
+    devices[handle] = std::move(device);
   }
 };
 
@@ -125,7 +138,7 @@ bool SlotStorage::fit(std::uint64_t payload_bytes, std::uint64_t frame_bytes) {
   if (segment_ && !segment_->damaged() && payload_bytes <= payload_capacity_ && frame_bytes <= frame_capacity_) {
     return false;
   }
-  auto payload_capacity = round_up(std::max(payload_bytes, payload_capacity_), kPageBytes);
+  auto payload_capacity = round_up(std::max(payload_bytes, payload_capacity_), ordinal_ ? kDevicePageBytes : kPageBytes);
   auto frame_capacity = round_up(std::max({frame_bytes, frame_capacity_, kMinFrameCapacity}), kPageBytes);
   auto epoch = epoch_ + 1;
   // New storage under a new epoch, all of it: consumers key what they imported by the epoch.

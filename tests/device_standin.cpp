@@ -172,6 +172,7 @@ int wait_event(ipc::DeviceStream, ipc::DeviceEvent event) {
 
 int copy(const ipc::DeviceCopy* batch, std::size_t count, ipc::DeviceStream) {
   if (injected("copy")) return StandIn::kInjectedError;
+  if (count > 1 && StandIn::refuse_batches != 0) return StandIn::refuse_batches;
   for (std::size_t i = 0; i < count; ++i) {
     std::memcpy(reinterpret_cast<void*>(batch[i].to), reinterpret_cast<const void*>(batch[i].from), batch[i].bytes);
   }
@@ -260,6 +261,7 @@ void StandIn::reset_counts() {
     *count = 0;
   }
   fail_next = nullptr;
+  refuse_batches = 0;
   on_event_wait = nullptr;
   std::lock_guard lock(mutex);
   operations_asked.clear();

@@ -29,6 +29,9 @@ struct StandIn {
   // The next call of this name fails with kInjectedError, once (e.g. "import_memory").
   static inline const char* fail_next = nullptr;
   static constexpr int kInjectedError = 999;
+  // Every batch of more than one copy is refused with `refuse_batches` (e.g. INVALID_VALUE), as
+  // some drivers refuse cuMemcpyBatchAsync; 0: batches are taken.
+  static inline std::atomic<int> refuse_batches{0};
 
   // Event ids: what was recorded and what streams waited on, in order.
   static std::vector<std::uint64_t> recorded();

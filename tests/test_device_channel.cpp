@@ -5,6 +5,8 @@
 // scripts/gpu-check run the same path on one.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <thread>
@@ -111,6 +113,47 @@ TEST_F(DeviceChannel, WholeUpdatesTravelUnderBothPolicies) {
   }
 }
 
+// tests/test_cuda_channel.cpp's case of the same name, on the stand-in: every side a forked
+// process, consumers that say when they attached, one of them killed while it holds a bucket.
+// The producer creates the channel before it waits for them: they attach to a live producer
+// only.
+TEST_F(DeviceChannel, AConsumerKilledHoldingABucketDoesNotStallTheProducer) {
+  Workload workload{.buckets = 60, .tensors = 4, .tensor_bytes = 4096};
+  test::Signal attached, holding;
+  Child survivor([&] {
+    auto subscriber = Subscriber::attach(channel, 10s, {.expected_location = PayloadLocation::Kind::Cuda});
+    attached.send();
+    for (std::uint64_t i = 0; i < workload.buckets; ++i) {
+      auto bucket = subscriber.next(10s);
+      if (!bucket || !cli::check_bucket(bucket->view(), workload.seed, i).empty()) return 3;
+    }
+    return 0;
+  });
+  Child doomed([&] {
+    auto subscriber = Subscriber::attach(channel, 10s);
+    attached.send();
+    auto bucket = subscriber.next(10s);
+    holding.send();
+    ::pause();  // holding its lease until killed
+    return bucket ? 0 : 1;
+  });
+  Child producer([&] {
+    // The channel first: an attach waits for a live producer.
+    auto publisher = Publisher::create(channel, on_device());
+    for (int i = 0; i < 2; ++i) {
+      if (attached.receive(10s) == 0) return 40;
+    }
+    for (std::uint64_t i = 0; i < workload.buckets; ++i) {
+      if (!publisher.publish(cli::make_bucket(workload, i).builder, 10s)) return 41;
+    }
+    return publisher.drain(10s) ? 0 : 42;
+  });
+  ASSERT_NE(holding.receive(20s), 0);
+  doomed.kill_now();
+  EXPECT_EQ(producer.wait(), 0);
+  EXPECT_EQ(survivor.wait(), 0);
+}
+
 TEST_F(DeviceChannel, SlotsAreImportedOncePerEpochAndClosedWhenReplaced) {
   auto publisher = Publisher::create(channel, on_device());
   Child consumer([&] {
@@ -128,9 +171,14 @@ TEST_F(DeviceChannel, SlotsAreImportedOncePerEpochAndClosedWhenReplaced) {
   for (std::uint64_t i = 0; i < 10; ++i) {
     ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 4, .tensor_bytes = 1024}, i).builder, 10s));
   }
-  ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 4, .tensor_bytes = 64 * 1024}, 10).builder, 10s));
+  // A device payload is whole 2 MiB pages of its own, however small the bucket.
+  EXPECT_EQ(inspect_channel(channel).slot_states[0].payload_capacity, 2u << 20);
+  ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 4, .tensor_bytes = 1 << 20}, 10).builder, 10s));
   EXPECT_EQ(consumer.wait(), 0);
-  EXPECT_EQ(inspect_channel(channel).slot_states[0].epoch, 2u);
+  auto grown = inspect_channel(channel).slot_states[0];
+  EXPECT_EQ(grown.epoch, 2u);
+  EXPECT_EQ(grown.payload_capacity % (2u << 20), 0u);
+  EXPECT_GE(grown.payload_capacity, 4u << 20);
 }
 
 TEST_F(DeviceChannel, SubscribersOfOneProducerInOneProcessShareTheImports) {
@@ -433,6 +481,35 @@ TEST_F(DeviceChannel, InPlaceReservationWritesTheDeviceSlot) {
   all->commit();
   EXPECT_EQ(StandIn::copy_calls, calls + 1);
   EXPECT_TRUE(cli::check_bucket(next_bucket(subscriber).view(), workload.seed, 1).empty());
+}
+
+// Some drivers refuse cuMemcpyBatchAsync (INVALID_VALUE on some streams, NOT_SUPPORTED where
+// batching is off): that batch and every later one in the process go entry by entry. Any
+// other failure of a batch is CudaFailed.
+TEST_F(DeviceChannel, ARefusedBatchIsCopiedEntryByEntryFromThenOn) {
+  for (int refusal : {ipc::kDeviceInvalidValue, ipc::kDeviceNotSupported, 2}) {
+    SCOPED_TRACE(refusal);
+    auto run_channel = channel + "-" + std::to_string(refusal);
+    Child producer([&] {  // the fallback is the process's: a process for each case
+      StandIn::refuse_batches = refusal;
+      auto publisher = Publisher::create(run_channel, on_device());
+      auto subscriber = Subscriber::attach(run_channel, 1s);
+      Workload workload{.tensors = 4, .tensor_bytes = 1000};
+      for (std::uint64_t i = 0; i < 3; ++i) {
+        try {
+          publisher.publish(cli::make_bucket(workload, i).builder, 1s);
+        } catch (const Error& e) {
+          bool named = std::string(e.what()).find("cuMemcpyBatchAsync") != std::string::npos;
+          return refusal == 2 && e.code() == ErrorCode::CudaFailed && named ? 0 : 3;
+        }
+        if (!cli::check_bucket(next_bucket(subscriber).view(), workload.seed, i).empty()) return 4;
+      }
+      // After the refused batch, a call per entry.
+      if (refusal == 2 || StandIn::copy_calls != 3 * 4 || StandIn::copies != 3 * 4) return 5;
+      return ipc::device_batches_copied_entry_by_entry() == 3 ? 0 : 6;
+    });
+    EXPECT_EQ(producer.wait(), 0);
+  }
 }
 
 TEST_F(DeviceChannel, ABucketCopiedToTheHostHoldsItsPayload) {
