@@ -18,11 +18,16 @@ void* make_stream(std::string& error);  // a non-blocking stream (a cudaStream_t
 // Queues a kernel on `stream` that writes byte i as (131 i + i / 1024 + 7919 seed) mod 256.
 bool fill_pattern(void* device_memory, std::size_t bytes, std::uint64_t seed, void* stream, std::string& error);
 
+// Waits for the work queued on `stream`, for at most `timeout_s` seconds (then false, saying
+// so): a stream waiting on the ready event of a producer killed before its record ran may
+// never go on (docs/channel.md, "CUDA"), and a test must then fail, not hang.
+bool finish(void* stream, std::string& error, double timeout_s = 60);
+
 // Copies `bytes` of device memory to `host` after the work queued on `stream`, and waits.
 bool copy_to_host(void* host, const void* device_memory, std::size_t bytes, void* stream, std::string& error);
 
 // The bytes that differ from the pattern, counted on the device after the work queued on
-// `stream`; waits for it (-1 on failure).
+// `stream`; waits for it, as finish() does (-1 on failure).
 std::int64_t count_mismatches(const void* device_memory, std::size_t bytes, std::uint64_t seed, void* stream,
                               std::string& error);
 

@@ -3,6 +3,7 @@
 A trainer and a server run as their own processes, each initialising CUDA itself; the tests
 that need a GPU are skipped without one (asked in a child process, so this one never
 initialises CUDA). The refusals run everywhere."""
+import copy
 import os
 import subprocess
 import sys
@@ -56,9 +57,34 @@ def test_a_subscriber_asking_for_another_location_is_refused(channel):
             assert bucket["w"].device.type == "cpu"
 
 
+# An exact integer digest of a module's tensors: every byte, weighted by its place. Equal
+# digests mean bit-identical tensors, whatever their shapes. The GPU processes below use it,
+# and test_the_digest_is_exact_on_cpu_tensors runs it here, so it cannot break unseen.
+DIGEST = r"""
+def digest(module):
+    total = 0
+    for tensor in module.state_dict().values():
+        data = tensor.detach().reshape(-1).view(torch.uint8).to(torch.int64)
+        total += int(data.mul(torch.arange(data.numel(), device=data.device) % 251 + 1).sum())
+    return total
+"""
+
+
+def test_the_digest_is_exact_on_cpu_tensors():
+    scope = {"torch": torch}
+    exec(DIGEST, scope)
+    digest = scope["digest"]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 10))
+    twin = copy.deepcopy(model)
+    assert digest(model) == digest(twin)
+    with torch.no_grad():
+        twin[2].weight.view(-1).view(torch.int32)[1000] ^= 1  # one bit of one parameter
+    assert digest(model) != digest(twin)
+
+
 # A trainer (AdamW on CUDA parameters) and a server loading every update into its own CUDA
-# model; each step's parameters must be bit-identical on both sides, as an exact integer
-# digest of their bytes says.
+# model; each step's parameters must be bit-identical on both sides, as the digest says.
 TRAINER_AND_SERVER = r"""
 import sys, torch, tensorbucket
 role, channel, steps, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -66,12 +92,7 @@ role, channel, steps, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv
 def model():
     torch.manual_seed(0)
     return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)]).cuda()
-
-def digest(module):
-    return sum(int(p.detach().view(torch.uint8).to(torch.int64).mul(
-        torch.arange(p.numel() * p.element_size(), device=p.device) % 251 + 1).sum())
-        for p in module.state_dict().values())
-
+""" + DIGEST + r"""
 net = model()
 with open(out, "w") as log:
     if role == "trainer":
