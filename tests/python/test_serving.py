@@ -61,18 +61,48 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+# The examples' server, stopping itself (SIGSTOP) as it is about to load update 10: it holds
+# that update whole then, every slot of it, so the trainer waits for it.
+STOPPING_SERVER = """
+import os, runpy, signal, sys
+import tensorbucket
+load_into = tensorbucket.load_into
+def stopping(weights, update):
+    if update.version == 10:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    load_into(weights, update)
+tensorbucket.load_into = stopping
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def stopped(process, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{process.pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] == "T":
+                return True
+        time.sleep(0.01)
+    return False
+
+
 def test_a_late_server_joins_at_a_whole_update(channel):
-    """The examples' server, started while the trainer is under way (held there by stopping
-    the first server, which the trainer waits for)."""
+    """The examples' server, started while the trainer is under way (held there by the first
+    server, stopped while it holds a whole update, which the trainer waits for)."""
     # The trainer gives a stopped server 30 s (examples/trainer.py): the late server's slow start
-    # (importing torch) happens first, so that a loaded machine cannot use them up.
+    # (importing torch) happens first, so that a loaded machine cannot use them up. The first
+    # server stops itself holding a whole update: stopped from outside, it could hold part of one
+    # (between releasing one bucket of it and the next), and the late server would then wait for
+    # a whole update that the slots it holds keep the trainer from publishing.
     late = subprocess.Popen([sys.executable, "-c", READY_SERVER, str(EXAMPLES / "server.py"), channel], env=ENV,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert late.stdout.readline() == "ready\n"
-    early = server(channel)
+    early = subprocess.Popen([sys.executable, "-c", STOPPING_SERVER, str(EXAMPLES / "server.py"), channel], env=ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     training = trainer(channel, 100, 4)
     head = [early.stdout.readline() for _ in range(10)]
-    early.send_signal(signal.SIGSTOP)
+    assert stopped(early)
     late.stdin.write("go\n")
     late.stdin.flush()
     head_of_late = late.stdout.readline()
