@@ -182,6 +182,12 @@ class UpdatePublisher:
         if policy == "latest":
             # The newest whole update for each consumer, and one being written.
             slots = max(slots, (max_consumers + 1) * buckets)
+        elif buckets <= slots:
+            # An update is taken, and loaded, before the next one is published: its own buckets
+            # are all the slots it needs. Each slot then always holds the same bucket of the
+            # plan, and is sized once (a slot that held a small bucket and later a large one
+            # would be made again, its pages zeroed and mapped afresh on both sides).
+            slots = buckets
         self.whole = buckets <= slots
         self.timeout = timeout
         self.channel = channel

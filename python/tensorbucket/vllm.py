@@ -208,8 +208,8 @@ class TrainerInitInfo(_TrainerInitInfo):
     device: where the slots live: "cpu", "cuda", "cuda:N"; None: where the source's first
         parameter is (for vLLM's ModuleSource), else the host.
     bucket_bytes: the most bytes of one bucket (a larger layer is a bucket alone).
-    slots: buckets in flight; an update of at most this many buckets is taken whole, a larger
-        one streams through them.
+    slots: the most buckets in flight: an update of at most this many is taken whole, in one
+        slot per bucket; a larger one streams through them.
     policy: "block" (the trainer waits for every worker) or "latest" (it never waits for a slow
         consumer of the channel; slots are then raised to hold each consumer's newest update).
     checksum: hash every payload, and have the workers check it.
