@@ -15,6 +15,7 @@ checks every field before it uses one, as it checks every bucket (docs/vllm.md).
 import math
 import re
 import threading
+import time
 import traceback
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ from . import Bucket, Error, InvalidArgument, ManifestError, ProducerGone, Publi
 Load = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 
 _ALIGNMENT = 256  # entries are packed at 256-byte offsets (docs/format.md)
+_MOST_SLOTS = 16  # a channel's slots (ipc/control.hpp, kMaxSlots)
+#: The longest wait init info may ask a worker for, in seconds: a worker's wait holds its engine.
+LONGEST_WAIT = 3600
 _CHANNEL = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 _U64 = 2**64 - 1
 
@@ -64,7 +68,7 @@ def _count(value: object, what: str, low: int = 0, high: int = _U64) -> int:
 
 def _incarnation(value: object, what: str) -> int:
     # A decimal string: 64 bits, more than a JSON number holds exactly everywhere.
-    if type(value) is not str or not value.isdigit() or int(value) > _U64:
+    if type(value) is not str or not (value.isascii() and value.isdigit() and len(value) <= 20) or int(value) > _U64:
         raise _error(InvalidArgument, f"{what} must be a decimal string of a 64-bit incarnation, not {value!r}")
     return int(value)
 
@@ -100,24 +104,35 @@ def route(init_info: Mapping[str, Any], key: str) -> Route:
     if device not in ("cpu", "cuda"):
         raise _error(InvalidArgument, f"{what}: 'device' must be \"cpu\" or \"cuda\", not {device!r}")
     timeout = init_info.get("timeout")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 1e9:
-        raise _error(InvalidArgument, f"{what}: 'timeout' must be seconds above 0, not {timeout!r}")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= LONGEST_WAIT:
+        raise _error(InvalidArgument, f"{what}: 'timeout' must be seconds above 0, at most {LONGEST_WAIT}, "
+                     f"not {timeout!r}")
     return Route(_channel_name(channel, f"{what}: its channel"), device, float(timeout))
 
 
 @dataclass(frozen=True)
+class Producer:
+    """A channel's producer as an update announces it: its incarnation, and the sequence (the
+    count of buckets it published before) of the update's first bucket."""
+
+    incarnation: int
+    sequence: int
+
+
+@dataclass(frozen=True)
 class UpdateInfo:
-    """One update as the trainer announces it: its version, how many buckets it has, the
-    incarnation of each channel's producer, and whether the workers take it whole."""
+    """One update as the trainer announces it: its version, how many buckets it has, each
+    channel's producer, and whether the workers take it whole."""
 
     version: int
     bucket_count: int
-    incarnations: Mapping[str, int]
+    producers: Mapping[str, Producer]
     whole: bool
 
     def to_json(self) -> dict[str, Any]:
         return {"version": self.version, "bucket_count": self.bucket_count,
-                "incarnations": {channel: str(number) for channel, number in self.incarnations.items()},
+                "producers": {channel: {"incarnation": str(producer.incarnation), "sequence": producer.sequence}
+                              for channel, producer in self.producers.items()},
                 "whole": self.whole}
 
     @staticmethod
@@ -125,16 +140,21 @@ class UpdateInfo:
         what = "tensorbucket update info"
         if not isinstance(info, Mapping):
             raise _error(InvalidArgument, f"{what} must be a dict, not {type(info).__name__}")
-        unknown = set(info) - {"version", "bucket_count", "incarnations", "whole"}
+        unknown = set(info) - {"version", "bucket_count", "producers", "whole"}
         if unknown:
             raise _error(InvalidArgument, f"{what} has unknown fields: {', '.join(sorted(map(str, unknown)))}")
-        incarnations = _field(info, "incarnations", dict, what)
+        producers = {}
+        for channel, producer in _field(info, "producers", dict, what).items():
+            where = f"{what}: the producer of {channel!r}"
+            if not isinstance(producer, Mapping) or set(producer) != {"incarnation", "sequence"}:
+                raise _error(InvalidArgument, f"{where} must be {{\"incarnation\": ..., \"sequence\": ...}}")
+            producers[_channel_name(channel, f"{what}: 'producers'")] = Producer(
+                _incarnation(producer["incarnation"], f"{where}: 'incarnation'"),
+                _count(producer["sequence"], f"{where}: 'sequence'"))
         return UpdateInfo(
             version=_count(info.get("version"), f"{what}: 'version'"),
             bucket_count=_count(info.get("bucket_count"), f"{what}: 'bucket_count'", 1, 2**32 - 1),
-            incarnations={_channel_name(channel, f"{what}: 'incarnations'"):
-                          _incarnation(number, f"{what}: the incarnation of {channel!r}")
-                          for channel, number in incarnations.items()},
+            producers=producers,
             whole=_field(info, "whole", bool, what),
         )
 
@@ -179,6 +199,8 @@ class UpdatePublisher:
         if not self.plan:
             raise _error(InvalidArgument, "the weight source has no tensors to send")
         buckets = len(self.plan)
+        if policy not in ("block", "latest"):
+            raise _error(InvalidArgument, f"policy must be \"block\" or \"latest\", not {policy!r}")
         if policy == "latest":
             # The newest whole update for each consumer, and one being written.
             slots = max(slots, (max_consumers + 1) * buckets)
@@ -188,6 +210,10 @@ class UpdatePublisher:
             # plan, and is sized once (a slot that held a small bucket and later a large one
             # would be made again, its pages zeroed and mapped afresh on both sides).
             slots = buckets
+        if slots > _MOST_SLOTS:
+            raise _error(InvalidArgument, f"an update of {buckets} buckets of at most {bucket_bytes} bytes needs {slots} "
+                         f"slots under the {policy!r} policy, and a channel has at most {_MOST_SLOTS}: raise "
+                         f"bucket_bytes{' or lower max_consumers' if policy == 'latest' else ''}")
         self.whole = buckets <= slots
         self.timeout = timeout
         self.channel = channel
@@ -206,6 +232,12 @@ class UpdatePublisher:
     def closed(self) -> bool:
         return self._publisher is None
 
+    @property
+    def sequence(self) -> int:
+        """The sequence the next bucket will have: the buckets published so far."""
+        assert self._publisher is not None
+        return self._publisher.published
+
     def reopen(self) -> None:
         """The channel again, under a new producer incarnation: after close(), which ended an
         update its consumers were waiting for."""
@@ -214,8 +246,9 @@ class UpdatePublisher:
     def publish(self, version: int, groups: Iterator[tuple[Sequence[str], Sequence[torch.Tensor]]],
                 stop: threading.Event) -> None:
         """Publishes every bucket of the plan as update `version`, from `groups` as the source
-        yields them (checked against the plan); stops early, having published what it had, when
-        `stop` is set (the workers failed: nobody takes the rest)."""
+        yields them (checked against the plan). Once `stop` is set (the workers failed: nobody
+        takes the rest) it publishes no more, but still takes what the source yields: its
+        gathers are collectives the trainer's other ranks take part in."""
         count = len(self.plan)
         pending: dict[str, torch.Tensor] = {}
         for index, names in enumerate(self.plan):
@@ -231,9 +264,11 @@ class UpdatePublisher:
                 raise _error(ManifestError, f"bucket {index} of update {version} should hold {_some(names)} "
                              f"but the weight source yielded {_some(list(pending))}: its iteration must "
                              "follow its metadata()")
-            if stop.is_set() or self._publisher is None:
+            publisher = self._publisher
+            if stop.is_set() or publisher is None:
+                drain(groups)
                 return
-            self._publisher.publish(pending, version=version, bucket_index=index, bucket_count=count,
+            publisher.publish(pending, version=version, bucket_index=index, bucket_count=count,
                                     timeout=self.timeout)
             pending = {}
 
@@ -242,6 +277,12 @@ class UpdatePublisher:
         if self._publisher is not None:
             self._publisher.close()
             self._publisher = None
+
+
+def drain(groups: Iterator[Any]) -> None:
+    """Takes whatever the source still yields, publishing nothing."""
+    for _ in groups:
+        pass
 
 
 def _materialized(tensor: torch.Tensor) -> torch.Tensor:
@@ -274,22 +315,20 @@ class UpdateReceiver:
         self._subscriber = Subscriber(route.channel, timeout=route.timeout, device=route.device)
 
     def receive(self, info: UpdateInfo, load: Load) -> int:
-        """Takes the update `info` announces, verified (every bucket's version, index, count
-        and producer), and feeds its zero-copy views to `load`; returns the tensors loaded.
-        Buckets are released once loaded, also when `load` raises."""
-        incarnation = info.incarnations.get(self.route.channel)
-        if incarnation is None:
-            raise _error(InvalidArgument, f"update {info.version} names no incarnation for this worker's "
+        """Takes the update `info` announces, verified (every bucket's version, place, producer
+        incarnation and sequence), and feeds its zero-copy views to `load`; returns the tensors
+        loaded. Buckets are released once loaded, also when `load` raises."""
+        producer = info.producers.get(self.route.channel)
+        if producer is None:
+            raise _error(InvalidArgument, f"update {info.version} names no producer for this worker's "
                          f"channel '{self.route.channel}'")
         if info.whole:
-            update = self._whole_update(info, incarnation)
-            with update:
+            with self._due(info, producer, None) as update:
                 self._check_device(update)
                 return _loaded(load, update.items(), info, None, self.route.channel)
         loaded = 0
         for index in range(info.bucket_count):
-            bucket = self._bucket(info, incarnation, index)
-            with bucket:
+            with self._due(info, producer, index) as bucket:
                 self._check_device(bucket)
                 loaded += _loaded(load, bucket.items(), info, index, self.route.channel)
         return loaded
@@ -297,49 +336,33 @@ class UpdateReceiver:
     def close(self) -> None:
         self._subscriber.close()
 
-    def _whole_update(self, info: UpdateInfo, incarnation: int) -> Update:
+    def _due(self, info: UpdateInfo, producer: Producer, index: Optional[int]) -> Any:
+        """The whole update (index None), or its bucket `index`, as announced, within the
+        route's timeout. What its producer published before the announced update (an update
+        its trainer abandoned, one of an earlier try of the same version) is skipped; anything
+        else is refused, released first."""
+        deadline = time.monotonic() + self.route.timeout
+        sequence = producer.sequence + (index or 0)
         while True:
+            left = max(0.0, deadline - time.monotonic())
             try:
-                update = self._subscriber.next_update(timeout=self.route.timeout)
+                got: Any = (self._subscriber.next_update(timeout=left) if index is None
+                            else self._subscriber.next(timeout=left))
             except ProducerGone as gone:
                 raise self._gone(info, gone) from None
-            if update is None:
-                raise self._late(info)
-            self._check_producer(update.incarnation, incarnation, info)
-            if update.version < info.version:
-                update.release()  # an update its trainer abandoned: nobody takes it any more
-                continue
-            if update.version != info.version or update.bucket_count != info.bucket_count:
-                update.release()
-                raise _error(ManifestError, f"channel '{self.route.channel}' holds update {update.version} of "
-                             f"{update.bucket_count} buckets where update {info.version} of "
-                             f"{info.bucket_count} was announced")
-            return update
-
-    def _bucket(self, info: UpdateInfo, incarnation: int, index: int) -> Bucket:
-        while True:
-            try:
-                bucket = self._subscriber.next(timeout=self.route.timeout)
-            except ProducerGone as gone:
-                raise self._gone(info, gone) from None
-            if bucket is None:
+            if got is None:
                 raise self._late(info, index)
-            self._check_producer(bucket.incarnation, incarnation, info)
-            if index == 0 and bucket.version < info.version:
-                bucket.release()  # an update its trainer abandoned
+            if got.incarnation == producer.incarnation and got.sequence < sequence and index in (None, 0):
+                got.release()
                 continue
-            if (bucket.version, bucket.bucket_index, bucket.bucket_count) != (info.version, index, info.bucket_count):
-                bucket.release()
-                raise _error(ManifestError, f"channel '{self.route.channel}' sent bucket {bucket.bucket_index} of "
-                             f"{bucket.bucket_count} of update {bucket.version} where bucket {index} of "
-                             f"{info.bucket_count} of update {info.version} was due")
-            return bucket
-
-    def _check_producer(self, found: int, announced: int, info: UpdateInfo) -> None:
-        if found != announced:
-            raise _error(ManifestError, f"update {info.version} on channel '{self.route.channel}' comes from "
-                         f"producer incarnation {found}, not the announced {announced}: another trainer "
-                         "publishes there (a trainer that restarts initializes the transfer again)")
+            place = (got.incarnation, got.sequence, got.version, got.bucket_count,
+                     got.bucket_index if index is not None else None)
+            if place != (producer.incarnation, sequence, info.version, info.bucket_count, index):
+                got.release()
+                raise _error(ManifestError, f"channel '{self.route.channel}' holds {_described(*place)} where "
+                             f"{_described(producer.incarnation, sequence, info.version, info.bucket_count, index)} "
+                             "was announced (a trainer that restarts initializes the transfer again)")
+            return got
 
     def _check_device(self, received: Mapping[str, torch.Tensor]) -> None:
         first = next(iter(received.values()), None)
@@ -351,10 +374,15 @@ class UpdateReceiver:
         return _error(ProducerGone, f"the trainer of channel '{self.route.channel}' is gone before update "
                       f"{info.version} was whole ({gone}); a new trainer initializes the transfer again")
 
-    def _late(self, info: UpdateInfo, index: Optional[int] = None) -> Error:
+    def _late(self, info: UpdateInfo, index: Optional[int]) -> Error:
         part = "whole" if index is None else f"at bucket {index} of {info.bucket_count}"
         return _error(Timeout, f"update {info.version} on channel '{self.route.channel}' was not {part} within "
                       f"{self.route.timeout:g} s: its trainer stalled or died without closing the channel")
+
+
+def _described(incarnation: int, sequence: int, version: int, count: int, index: Optional[int]) -> str:
+    what = f"update {version} of {count} buckets" if index is None else f"bucket {index} of {count} of update {version}"
+    return f"{what} (producer incarnation {incarnation}, sequence {sequence})"
 
 
 def _loaded(load: Load, tensors: Iterable[tuple[str, torch.Tensor]], info: UpdateInfo, index: Optional[int],

@@ -13,7 +13,7 @@ registers the backend in every vLLM process. The trainer:
 
 `client` is vLLM's HTTPVLLMWeightSyncClient for a server, or LLMClient(llm) for an `LLM` in the
 trainer's own script. The control plane carries JSON only (channel names, versions,
-incarnations, counts): nothing is pickled, and no insecure-serialization flag is needed.
+producers, counts): nothing is pickled, and no insecure-serialization flag is needed.
 docs/vllm.md has the rest: what each side checks, and what happens on each failure.
 """
 import logging
@@ -45,7 +45,7 @@ except ImportError as missing:
         from missing
 
 from . import InvalidArgument, _error
-from ._transfer import UpdateInfo, UpdatePublisher, UpdateReceiver, device_key, route
+from ._transfer import LONGEST_WAIT, Producer, UpdateInfo, UpdatePublisher, UpdateReceiver, device_key, drain, route
 
 __all__ = ["BACKEND", "LLMClient", "TESTED_VLLM", "TrainerEngine", "TrainerInitInfo", "WorkerEngine", "register"]
 
@@ -90,11 +90,12 @@ class InitInfo(WeightTransferInitInfo):
 @dataclass
 class UpdateInfoMessage(WeightTransferUpdateInfo):
     """What the trainer tells every worker per update: its version, bucket count, each
-    channel's producer incarnation (decimal strings) and whether it is taken whole."""
+    channel's producer (its incarnation, a decimal string, and the sequence of the update's
+    first bucket) and whether it is taken whole."""
 
     version: int
     bucket_count: int
-    incarnations: dict[str, str]
+    producers: dict[str, dict[str, Any]]
     whole: bool
 
 
@@ -113,17 +114,27 @@ class WorkerEngine(WeightTransferEngine[InitInfo, UpdateInfoMessage]):
         self._reloading = False
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
-        chosen = route(vars(init_info), device_key(self.device))
+        # A new trainer's channel replaces the last one once attached: a failed init leaves
+        # the worker as it was.
+        receiver = UpdateReceiver(route(vars(init_info), device_key(self.device)), self.device)
         if self._receiver is not None:
-            self._receiver.close()  # a new trainer: its channel replaces the last one
-            self._receiver = None
-        self._receiver = UpdateReceiver(chosen, self.device)
+            self._receiver.close()
+        self._receiver = receiver
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
         self._reloading = True
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        try:
+            super().update_weights(update_info)  # parses, then receive_weights()
+        except BaseException:
+            # vLLM ends the session on a failed update, whatever failed (the update info too):
+            # what was not loaded gets its old weights back.
+            self._abandon_reload()
+            raise
 
     def receive_weights(self, update_info: UpdateInfoMessage) -> None:
         if self._receiver is None:
@@ -132,13 +143,8 @@ class WorkerEngine(WeightTransferEngine[InitInfo, UpdateInfoMessage]):
         info = UpdateInfo.parse(vars(update_info))
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-        try:
-            with disable_mtp_completeness_check():
-                self._receiver.receive(info, self.model.load_weights)
-        except BaseException:
-            # vLLM ends the session on a failed update: what was not loaded keeps its old weights.
-            self._abandon_reload()
-            raise
+        with disable_mtp_completeness_check():
+            self._receiver.receive(info, self.model.load_weights)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -214,7 +220,8 @@ class TrainerInitInfo(_TrainerInitInfo):
         consumer of the channel; slots are then raised to hold each consumer's newest update).
     checksum: hash every payload, and have the workers check it.
     max_consumers: processes that may attach to the channel (workers and any other consumer).
-    timeout: seconds any one wait may take, on either side.
+    timeout: seconds the trainer waits for a slot, and a worker for an update (whole) or for
+        each bucket (streamed); at most an hour.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -236,11 +243,12 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
     init_info_cls = TrainerInitInfo
 
     def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, init_info: TrainerInitInfo,
-                 publisher: Optional[UpdatePublisher], routes: list[tuple[Any, ...]]) -> None:
+                 publisher: Optional[UpdatePublisher], key: Optional[str]) -> None:
         super().__init__(client=client, source=source, is_sender=init_info.is_sender)
         self._init_info = init_info
         self._publisher = publisher
-        self._routes = routes  # every publishing rank's (device key, channel, incarnation, device)
+        self._key = key  # this rank's device key, with per_device
+        self._routes: list[tuple[Any, ...]] = []  # each publishing rank's key, channel, producer, device
         self._next_version = 0
 
     @classmethod
@@ -249,6 +257,11 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
         if source is None:
             raise _error(InvalidArgument, "the tensorbucket trainer engine needs a WeightSource (e.g. "
                          "vllm.distributed.weight_transfer.base.ModuleSource(model))")
+        _check(init_info)
+        if source.held_names() is not None:
+            raise _error(InvalidArgument, "the tensorbucket trainer engine publishes the whole model from the "
+                         "sending rank (or every rank, per_device): a source split across ranks (held_names) "
+                         "is not supported")
         shapes = {meta.name: (meta.dtype, tuple(meta.shape)) for meta in source.metadata()}
         device = init_info.device if init_info.device is not None else _source_device(source)
         channel = init_info.channel or "vllm-weights"
@@ -269,33 +282,33 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
                                         bucket_bytes=init_info.bucket_bytes, slots=init_info.slots,
                                         policy=init_info.policy, checksum=init_info.checksum,
                                         max_consumers=init_info.max_consumers, timeout=init_info.timeout)
-        mine = (key, channel, publisher.incarnation, publisher.device) if publisher else None
-        routes = [route for route in _gather(mine, init_info.per_device) if route is not None]
-        engine = cls(client=client, source=source, init_info=init_info, publisher=publisher, routes=routes)
+        engine = cls(client=client, source=source, init_info=init_info, publisher=publisher, key=key)
         try:
             engine._introduce()
         except BaseException:
-            engine.shutdown()
+            engine._close()
             raise
         return engine
 
     def send_weights(self, version: Optional[int] = None) -> None:
         """One update of every weight the source yields, as version `version` (None: one more
-        than the last). Returns once every worker loaded it. Raises what failed on either side;
-        the next send_weights() starts afresh (after a failure on the trainer's side, on a new
-        incarnation of the channel, which the workers are told of)."""
+        than the last). Returns once every worker loaded it. Raises what failed, the workers'
+        error first; the channel is then closed (the workers stop waiting at once), and the
+        next send_weights() reopens it under a new incarnation and tells the workers."""
         assert self.source is not None
+        version = self._next_version if version is None else version
+        if type(version) is not int or not 0 <= version < 2**64:
+            raise _error(InvalidArgument, f"version must be an integer from 0 to 2**64 - 1, not {version!r}")
         if self._publisher is not None and self._publisher.closed:
             self._reopen()
-        version = self._next_version if version is None else version
         self._next_version = version + 1
+        producers = self._producers()
         failures: list[BaseException] = []
         stop = threading.Event()
         workers = None
         if self.is_sender:
             assert self._publisher is not None
-            info = UpdateInfo(version=version, bucket_count=len(self._publisher.plan),
-                              incarnations={channel: number for _, channel, number, _ in self._routes},
+            info = UpdateInfo(version=version, bucket_count=len(self._publisher.plan), producers=producers,
                               whole=self._publisher.whole)
             self.client.start_weight_update()
 
@@ -304,22 +317,28 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
                     self.client.update_weights(info.to_json())
                 except BaseException as failure:
                     failures.append(failure)
-                    stop.set()  # nobody takes the rest
+                    stop.set()
+                    self._close()  # a publish waiting for a slot the workers will not free raises now
 
             workers = threading.Thread(target=take, name="tensorbucket-update-weights", daemon=True)
             workers.start()
+        groups = iter(self.source.iter_groups())
         try:
-            groups = iter(self.source.iter_groups())
             if self._publisher is not None:
                 self._publisher.publish(version, groups, stop)
             else:
-                for _ in groups:  # the gathers are collectives: every rank takes part
-                    pass
+                drain(groups)  # the gathers are collectives: every rank takes part
         except BaseException:
-            if self._publisher is not None:
-                self._publisher.close()  # the workers waiting for the rest get ProducerGone at once
+            workers_first = bool(failures)  # theirs closed the channel under this publish
+            self._close()  # the workers waiting for the rest get ProducerGone at once
             if workers is not None:
                 workers.join()
+            try:
+                drain(groups)  # the other ranks' gathers go on
+            except Exception:
+                pass  # the source itself failed: nothing more comes from it
+            if workers_first:
+                raise failures[0] from None
             raise
         if workers is not None:
             workers.join()
@@ -328,17 +347,38 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
             self.client.finish_weight_update(str(version))
 
     def shutdown(self) -> None:
+        """Closes the channel, and has the workers let go of it (their mappings of its slots)."""
+        self._close()
+        release = getattr(self.client, "shutdown_weight_transfer_engine", None)
+        if self.is_sender and callable(release):
+            try:
+                release()
+            except Exception as failure:  # the server may be gone already: nothing to release there
+                _logger.warning("the workers could not be told to let go of the channel: %s", failure)
+
+    def _close(self) -> None:
         if self._publisher is not None:
             self._publisher.close()
-            self._publisher = None
+
+    def _producers(self) -> dict[str, Producer]:
+        """Every publishing rank's channel and its producer (the sequence of the coming
+        update's first bucket); with per_device, gathered from every rank."""
+        mine = None
+        if self._publisher is not None:
+            mine = (self._key, self._publisher.channel, self._publisher.incarnation, self._publisher.sequence,
+                    self._publisher.device)
+        routes = [route for route in _gather(mine, self._init_info.per_device) if route is not None]
+        self._routes = routes
+        return {channel: Producer(incarnation, sequence) for _, channel, incarnation, sequence, _ in routes}
 
     def _introduce(self) -> None:
         """Tells the workers where to attach (the sender, for every publishing rank)."""
+        self._producers()
         if not self.is_sender:
             return
-        worker_info: dict[str, Any] = {"device": self._routes[0][3], "timeout": self._init_info.timeout}
+        worker_info: dict[str, Any] = {"device": self._routes[0][4], "timeout": self._init_info.timeout}
         if self._init_info.per_device:
-            worker_info["channels"] = {key: channel for key, channel, _, _ in self._routes}
+            worker_info["channels"] = {key: channel for key, channel, _, _, _ in self._routes}
         else:
             worker_info["channel"] = self._routes[0][1]
         self.client.init_weight_transfer_engine(worker_info)
@@ -346,12 +386,26 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
     def _reopen(self) -> None:
         assert self._publisher is not None
         if self._init_info.per_device:
-            raise _error(InvalidArgument, "an update failed on this rank's side and closed its channel: with "
-                         "per_device, every rank makes its engine again (trainer_init)")
+            raise _error(InvalidArgument, "an update failed and closed this rank's channel: with per_device, "
+                         "every rank makes its engine again (trainer_init)")
         self._publisher.reopen()
-        key, channel, _, device = self._routes[0]
-        self._routes = [(key, channel, self._publisher.incarnation, device)]
-        self._introduce()
+        try:
+            self._introduce()
+        except BaseException:
+            self._close()  # tried again at the next send
+            raise
+
+
+def _check(init_info: TrainerInitInfo) -> None:
+    """The trainer's options, before anything is made of them."""
+    for name, low in (("bucket_bytes", 1), ("slots", 1), ("max_consumers", 1)):
+        value = getattr(init_info, name)
+        if type(value) is not int or value < low:
+            raise _error(InvalidArgument, f"TrainerInitInfo.{name} must be an integer of at least {low}, not {value!r}")
+    timeout = init_info.timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= LONGEST_WAIT:
+        raise _error(InvalidArgument, f"TrainerInitInfo.timeout must be seconds above 0, at most {LONGEST_WAIT}, "
+                     f"not {timeout!r}")
 
 
 def _source_device(source: WeightSource) -> str:
@@ -390,6 +444,9 @@ class LLMClient:
 
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
         self.llm.finish_weight_update(weight_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
 
 
 def register() -> None:

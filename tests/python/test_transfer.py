@@ -2,7 +2,9 @@
 backend runs them, here without vLLM: plain torch modules load what the workers receive, and
 host channels stand in for the GPUs of a colocated trainer. tests/vllm runs the same code
 inside real vLLM engines."""
+import dataclasses
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 import tensorbucket
-from tensorbucket._transfer import Route, UpdateInfo, UpdatePublisher, UpdateReceiver, plan_buckets, route
+from tensorbucket._transfer import Producer, Route, UpdateInfo, UpdatePublisher, UpdateReceiver, plan_buckets, route
 
 
 @pytest.fixture
@@ -66,8 +68,9 @@ def send(publisher, module, version, stop=None):
 
 
 def info_of(publisher, version=None, **changes):
-    fields = dict(bucket_count=len(publisher.plan), incarnations={publisher.channel: publisher.incarnation},
-                  whole=publisher.whole, version=version)
+    """The update info of the update `publisher` publishes next."""
+    fields = dict(bucket_count=len(publisher.plan), whole=publisher.whole, version=version,
+                  producers={publisher.channel: Producer(publisher.incarnation, publisher.sequence)})
     fields.update(changes)
     return UpdateInfo(**fields)
 
@@ -122,11 +125,11 @@ def test_each_worker_takes_the_channel_of_its_own_device(channel):
     trainers = [model(1), model(2)]
     publishers = [publisher_of(f"{channel}-{i}", trainers[i]) for i in range(2)]
     init_info = {"channels": {key: p.channel for key, p in zip(keys, publishers)}, "device": "cpu", "timeout": 10}
-    incarnations = {p.channel: p.incarnation for p in publishers}
+    producers = {p.channel: Producer(p.incarnation, p.sequence) for p in publishers}
     workers = [model(0), model(0)]
     receivers = [UpdateReceiver(route(init_info, key), torch.device("cpu")) for key in keys]
     assert [r.route.channel for r in receivers] == [p.channel for p in publishers]
-    info = UpdateInfo(version=0, bucket_count=3, incarnations=incarnations, whole=True)
+    info = UpdateInfo(version=0, bucket_count=3, producers=producers, whole=True)
     threads = [receive_beside(receivers[i], info, workers[i]) for i in range(2)]
     for publisher, trainer in zip(publishers, trainers):
         send(publisher, trainer, 0)
@@ -156,30 +159,33 @@ def test_several_workers_load_one_bucket_each(channel):
         endpoint.close()
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("version", 2, "holds update 3 of 3 buckets where update 2 of 3 was announced"),
-    ("bucket_count", 2, "holds update 3 of 3 buckets where update 3 of 2 was announced"),
-    ("incarnations", "other", "comes from producer incarnation \\d+, not the announced 12345"),
+@pytest.mark.parametrize("change, message", [
+    ({"version": 2}, "holds update 3 of 3 buckets \\(producer incarnation \\d+, sequence 0\\) where update 2 of 3"),
+    ({"bucket_count": 2}, "holds update 3 of 3 buckets .* where update 3 of 2 buckets"),
+    ("incarnation", "holds update 3 of 3 buckets \\(producer incarnation \\d+, sequence 0\\) where update 3 of 3 "
+                    "buckets \\(producer incarnation 12345, sequence 0\\) was announced"),
 ])
-def test_an_update_other_than_the_announced_one_is_refused_and_nothing_loaded(channel, field, value, message):
+def test_an_update_other_than_the_announced_one_is_refused_and_nothing_loaded(channel, change, message):
     trainer, worker = model(1), model(0)
     publisher = publisher_of(channel, trainer)
     receiver = UpdateReceiver(Route(channel, "cpu", 10.0), torch.device("cpu"))
-    if value == "other":
-        value = {channel: 12345}
+    info = info_of(publisher, 3)
+    if change == "incarnation":
+        change = {"producers": {channel: Producer(12345, 0)}}
     send(publisher, trainer, 3)
     with pytest.raises(tensorbucket.ManifestError, match=message):
-        receiver.receive(info_of(publisher, **{"version": 3, field: value}), loader(worker))
+        receiver.receive(dataclasses.replace(info, **change), loader(worker))
     assert same(worker, model(0))
     receiver.close()
     publisher.close()
 
 
-def test_an_update_the_trainer_abandoned_is_skipped(channel):
+@pytest.mark.parametrize("abandoned", [1, 2])  # another version; an earlier try of the same one
+def test_an_update_the_trainer_abandoned_is_skipped(channel, abandoned):
     trainer, worker = model(1), model(0)
     publisher = publisher_of(channel, trainer)
     receiver = UpdateReceiver(Route(channel, "cpu", 10.0), torch.device("cpu"))
-    send(publisher, model(5), 1)  # nobody was told of update 1
+    send(publisher, model(5), abandoned)  # nobody was told of it
     thread, outcome = receive_beside(receiver, info_of(publisher, 2), worker)
     send(publisher, trainer, 2)
     thread.join()
@@ -232,10 +238,11 @@ def test_what_the_loader_raises_names_the_update_and_the_tensor_and_frees_the_sl
                 raise KeyError(f"no parameter {name}")
 
     for version in range(3):  # more updates than slots: each failed one gave its slots back
+        info = info_of(publisher, version)
         send(publisher, trainer, version)
         with pytest.raises(KeyError, match=f"loading update {version} from channel '{channel}' failed at "
                            "'1.weight' \\(tensor 3\\): 'no parameter 1.weight'"):
-            receiver.receive(info_of(publisher, version), refuse)
+            receiver.receive(info, refuse)
     receiver.close()
     publisher.close()
 
@@ -245,7 +252,8 @@ def test_what_the_loader_raises_names_the_update_and_the_tensor_and_frees_the_sl
     ({"channel": "a", "channels": {"cpu": "b"}, "device": "cpu", "timeout": 1}, "either 'channel' or 'channels'"),
     ({"channel": "../x", "device": "cpu", "timeout": 1}, "'../x' is not a channel name"),
     ({"channel": "a", "device": "tpu", "timeout": 1}, "'device' must be \"cpu\" or \"cuda\", not 'tpu'"),
-    ({"channel": "a", "device": "cpu", "timeout": -1}, "'timeout' must be seconds above 0, not -1"),
+    ({"channel": "a", "device": "cpu", "timeout": -1}, "'timeout' must be seconds above 0, at most 3600, not -1"),
+    ({"channel": "a", "device": "cpu", "timeout": 1e9}, "at most 3600, not 1000000000.0"),
     ({"channel": "a", "device": "cpu", "timeout": float("nan")}, "'timeout' must be seconds above 0"),
     ({"channel": 5, "device": "cpu", "timeout": 1}, "5 is not a channel name"),
     ([], "must be a dict, not list"),
@@ -255,25 +263,40 @@ def test_init_info_is_checked_field_by_field(init_info, message):
         route(init_info, "cpu")
 
 
+def producers(incarnation="5", sequence=0):
+    return {"c": {"incarnation": incarnation, "sequence": sequence}}
+
+
 @pytest.mark.parametrize("update_info, message", [
-    ({"version": -1, "bucket_count": 1, "incarnations": {}, "whole": True}, "'version' must be an integer"),
-    ({"version": 1, "bucket_count": 0, "incarnations": {}, "whole": True}, "'bucket_count' must be an integer from 1"),
-    ({"version": 1, "bucket_count": 1, "incarnations": {"c": 5}, "whole": True}, "must be a decimal string"),
-    ({"version": 1, "bucket_count": 1, "incarnations": {"c": str(2**64)}, "whole": True}, "64-bit incarnation"),
-    ({"version": 1, "bucket_count": 1, "incarnations": [], "whole": True}, "'incarnations' must be dict"),
-    ({"version": 1, "bucket_count": 1, "incarnations": {}, "whole": 1}, "'whole' must be bool"),
-    ({"version": 1, "bucket_count": 1, "incarnations": {}, "whole": True, "x": 1}, "unknown fields: x"),
-    ({"version": True, "bucket_count": 1, "incarnations": {}, "whole": True}, "'version' must be an integer"),
+    ({"version": -1, "bucket_count": 1, "producers": {}, "whole": True}, "'version' must be an integer"),
+    ({"version": 1, "bucket_count": 0, "producers": {}, "whole": True}, "'bucket_count' must be an integer from 1"),
+    ({"version": 1, "bucket_count": 1, "producers": producers(5), "whole": True}, "must be a decimal string"),
+    ({"version": 1, "bucket_count": 1, "producers": producers(str(2**64)), "whole": True}, "64-bit incarnation"),
+    ({"version": 1, "bucket_count": 1, "producers": producers("\u00b2"), "whole": True}, "64-bit incarnation"),
+    ({"version": 1, "bucket_count": 1, "producers": producers("9" * 5000), "whole": True}, "64-bit incarnation"),
+    ({"version": 1, "bucket_count": 1, "producers": producers(sequence=-1), "whole": True}, "'sequence' must be"),
+    ({"version": 1, "bucket_count": 1, "producers": {"c": {"incarnation": "5"}}, "whole": True},
+     "must be {\"incarnation\": ..., \"sequence\": ...}"),
+    ({"version": 1, "bucket_count": 1, "producers": [], "whole": True}, "'producers' must be dict"),
+    ({"version": 1, "bucket_count": 1, "producers": {}, "whole": 1}, "'whole' must be bool"),
+    ({"version": 1, "bucket_count": 1, "producers": {}, "whole": True, "x": 1}, "unknown fields: x"),
+    ({"version": True, "bucket_count": 1, "producers": {}, "whole": True}, "'version' must be an integer"),
 ])
 def test_update_info_is_checked_field_by_field(update_info, message):
-    with pytest.raises(tensorbucket.InvalidArgument, match=message):
+    with pytest.raises(tensorbucket.InvalidArgument, match=re.escape(message) if "{" in message else message):
         UpdateInfo.parse(update_info)
 
 
 def test_update_info_travels_as_json_and_back():
-    info = UpdateInfo(version=3, bucket_count=2, incarnations={"c": 2**64 - 1}, whole=False)
-    assert info.to_json()["incarnations"] == {"c": str(2**64 - 1)}
+    info = UpdateInfo(version=3, bucket_count=2, producers={"c": Producer(2**64 - 1, 7)}, whole=False)
+    assert info.to_json()["producers"] == {"c": {"incarnation": str(2**64 - 1), "sequence": 7}}
     assert UpdateInfo.parse(info.to_json()) == info
+
+
+def test_a_plan_past_a_channel_s_slots_is_refused_saying_what_to_change(channel):
+    with pytest.raises(tensorbucket.InvalidArgument, match="needs 27 slots under the 'latest' policy, and a "
+                       "channel has at most 16: raise bucket_bytes or lower max_consumers"):
+        publisher_of(channel, model(1), policy="latest", max_consumers=8)
 
 
 def test_a_worker_of_a_missing_channel_or_another_location_is_refused(channel):
@@ -304,7 +327,7 @@ DEVICE_PATH = r"""
 import sys, threading, torch
 sys.path.insert(0, sys.argv[3])
 import test_transfer as t
-from tensorbucket._transfer import UpdateInfo, UpdateReceiver, route
+from tensorbucket._transfer import Producer, UpdateInfo, UpdateReceiver, route
 role, channel = sys.argv[1], sys.argv[2]
 trainer = t.model(1).cuda()
 if role == "trainer":
@@ -322,7 +345,8 @@ else:
                                     str(torch.cuda.get_device_properties(0).uuid)), torch.device("cuda:0"))
     print("attached", flush=True)
     for version in range(3):
-        info = UpdateInfo(version=version, bucket_count=3, incarnations={channel: incarnation}, whole=True)
+        info = UpdateInfo(version=version, bucket_count=3, producers={channel: Producer(incarnation, 3 * version)},
+                          whole=True)
         assert receiver.receive(info, t.loader(worker)) == 12
     torch.cuda.synchronize()
     assert t.same(worker, trainer)

@@ -2,6 +2,7 @@
 loading tensorbucket through its entry point), driven by the trainer engine in this process
 through LLMClient: what each update generates, against HuggingFace on the same weights."""
 import os
+import time
 
 import pytest
 import torch
@@ -82,16 +83,21 @@ def test_twenty_updates_in_a_row_each_generate_as_their_weights(llm, channel):
     engine.shutdown()
 
 
-def test_a_name_the_model_does_not_have_is_refused_by_name_and_the_next_update_is_served(llm, channel):
+# Whole, and streamed through two slots in small buckets: there the worker fails while the
+# trainer waits for a slot, which its failure must end at once, not at the trainer's timeout.
+@pytest.mark.parametrize("options", [{}, {"bucket_bytes": 64 << 10, "slots": 2, "timeout": 120.0}])
+def test_a_name_the_model_does_not_have_is_refused_by_name_and_the_next_update_is_served(llm, channel, options):
     good = llama(5)
     tensors = {}
     for name, tensor in good.state_dict().items():  # in layer order, as a source yields them
         tensors[name] = tensor
         if name == "model.layers.1.mlp.down_proj.weight":
             tensors["model.layers.1.mlp.bogus.weight"] = torch.ones(4)
-    engine = trainer(llm, Tensors(tensors), channel)
+    engine = trainer(llm, Tensors(tensors), channel, **options)
+    start = time.monotonic()
     with pytest.raises(Exception, match="(?s)loading update 0 from channel .*model.layers.1.mlp.bogus"):
         engine.send_weights()
+    assert time.monotonic() - start < 30
     generate(llm)  # the worker still serves: what the failed update did not finish kept its weights
     engine.shutdown()
     engine = trainer(llm, ModuleSource(good), channel)
@@ -126,6 +132,25 @@ def test_under_block_a_stalled_consumer_times_the_update_out_by_name_and_the_tra
             engine.send_weights()
     stalled.close()
     engine.send_weights()  # on a new incarnation of the channel, which the workers were told of
+    same_generation(generate(llm), reference(model))
+    engine.shutdown()
+
+
+def test_an_update_info_the_worker_refuses_leaves_it_serving_the_weights_it_had(llm, channel):
+    model = llama(8)
+    engine = trainer(llm, ModuleSource(model), channel)
+    engine.send_weights()
+    with pytest.raises(tensorbucket.InvalidArgument, match="version must be an integer from 0"):
+        engine.send_weights(version=-1)
+    client = LLMClient(llm)
+    client.start_weight_update()  # every layer is put aside for the update
+    with pytest.raises(Exception, match="Invalid update_info"):
+        client.update_weights({"version": 1})
+    with pytest.raises(Exception, match="'whole' must be bool"):
+        client.start_weight_update()
+        client.update_weights({"version": 1, "bucket_count": 1, "producers": {}, "whole": "yes"})
+    same_generation(generate(llm), reference(model))  # each failed update gave the layers back
+    engine.send_weights()
     same_generation(generate(llm), reference(model))
     engine.shutdown()
 
