@@ -43,7 +43,7 @@ void remove_names(std::string_view channel, const std::string& name, const Segme
     for (std::uint32_t s = 0; s < slots; ++s) {
       auto epoch = atomic(control->slots[s].segment_epoch).load(std::memory_order_relaxed);
       for (auto e : {epoch - 1, epoch, epoch + 1}) {
-        if (e != 0) Segment::remove(slot_segment_name(channel, s, e));
+        if (e != 0) Segment::remove_if_ours(slot_segment_name(channel, s, e));
       }
     }
   }

@@ -194,7 +194,42 @@ std::optional<Segment> Segment::open(const std::string& name, std::size_t min_by
   return segment;
 }
 
+namespace {
+
+// Who `name` belongs to, as /dev/shm (POSIX shared memory on Linux) says: nullopt when it does
+// not exist. lstat, so that a link is seen as one, never followed.
+std::optional<struct stat> shm_status(const std::string& name) {
+  struct stat status {};
+  if (::lstat(("/dev/shm/" + name).c_str(), &status) != 0) return std::nullopt;
+  return status;
+}
+
+bool ours(const struct stat& status) { return !S_ISLNK(status.st_mode) && status.st_uid == ::geteuid(); }
+
+}  // namespace
+
 void Segment::remove(const std::string& name) noexcept {
+  bip::shared_memory_object::remove(name.c_str());
+}
+
+bool Segment::remove_if_ours(const std::string& name) noexcept {
+  auto status = shm_status(name);
+  if (status && !ours(*status)) return false;
+  bip::shared_memory_object::remove(name.c_str());
+  return true;
+}
+
+void Segment::remove_leftover(const std::string& name) {
+  auto status = shm_status(name);
+  if (!status) return;
+  if (S_ISLNK(status->st_mode)) {
+    fail(ErrorCode::PermissionDenied, "shared memory ", Quoted{name},
+         " is a symbolic link, which is never followed: remove it or use another channel name");
+  }
+  if (status->st_uid != ::geteuid()) {
+    fail(ErrorCode::PermissionDenied, "shared memory ", Quoted{name}, " belongs to uid ", status->st_uid,
+         ", not to us (uid ", ::geteuid(), "): it is left alone; remove it or use another channel name");
+  }
   bip::shared_memory_object::remove(name.c_str());
 }
 

@@ -39,8 +39,15 @@ class Segment {
   static std::optional<Segment> open(const std::string& name, std::size_t min_bytes,
                                      bool writable, Locks locks = Locks::kNone);
 
-  // Unlinks `name`; mappings stay valid until unmapped. Missing names are ignored.
+  // Unlinks `name`; mappings stay valid until unmapped. Missing names are ignored. For names
+  // this process made.
   static void remove(const std::string& name) noexcept;
+  // Unlinks a leftover of another process when it is ours (our uid's, not a symbolic link),
+  // and leaves another user's object alone: a producer running as root must not remove what
+  // belongs to someone else. remove_leftover() says so (PermissionDenied, naming the owner),
+  // for a leftover in the way of a name we create; remove_if_ours() returns false.
+  static void remove_leftover(const std::string& name);
+  static bool remove_if_ours(const std::string& name) noexcept;
 
   std::byte* data() const noexcept { return static_cast<std::byte*>(region_.get_address()); }
   std::size_t size() const noexcept { return region_.get_size(); }

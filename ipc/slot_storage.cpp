@@ -31,9 +31,10 @@ Segment create_segment(const std::string& name, std::uint64_t bytes, mode_t mode
   try {
     return Segment::create(name, bytes, mode);
   } catch (const Error& e) {
-    // A dead producer's leftover the stale cleanup missed: the name is ours now.
+    // A dead producer's leftover the stale cleanup missed: the name is ours now, if the object
+    // is (PermissionDenied when it is another user's).
     if (e.code() != ErrorCode::ChannelExists) throw;
-    Segment::remove(name);
+    Segment::remove_leftover(name);
     return Segment::create(name, bytes, mode);
   }
 }
