@@ -9,9 +9,12 @@
 #include <cerrno>
 #include <charconv>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -37,10 +40,26 @@ class File {
   explicit File(const std::string& path) : path_(path), fd_(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC)) {
     if (fd_ < 0) fail_errno("cannot open", path);
   }
-  // A new file beside `path`, named from `pattern` (mkostemp's), for writing.
-  File(const std::string& path, std::string pattern) : path_(std::move(pattern)), fd_(::mkostemp(path_.data(), O_CLOEXEC)) {
+  // A new file beside `path`, for writing, made as open() makes a file (0666 less the umask),
+  // under a hidden name that stays within NAME_MAX however long path's own name is.
+  struct Beside {};
+  File(const std::string& path, Beside) : fd_(-1) {
+    auto where = std::filesystem::path(path);
+    auto name = where.filename().string().substr(0, 200);
+    std::random_device random;
+    for (int attempt = 0; fd_ < 0 && attempt < 100; ++attempt) {
+      char suffix[16];
+      std::snprintf(suffix, sizeof suffix, ".tmp-%08x", static_cast<unsigned>(random()));
+      path_ = (where.parent_path() / ("." + name + suffix)).string();
+      fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+      if (fd_ < 0 && errno != EEXIST) fail_errno("cannot create a file beside", path);
+    }
     if (fd_ < 0) fail_errno("cannot create a file beside", path);
+    // The mode open() gave it, kept for the end; private until then (it is empty so far).
+    created_mode_ = status().st_mode & 07777;
+    if (::fchmod(fd_, 0600) != 0) fail_errno("cannot set the mode of", path_);
   }
+  mode_t created_mode() const noexcept { return created_mode_; }
   File(const File&) = delete;
   File& operator=(const File&) = delete;
   ~File() {
@@ -50,18 +69,23 @@ class File {
   std::uint64_t size() const { return static_cast<std::uint64_t>(status().st_size); }
 
   // What identifies this version of the file: a file rewritten in place since (a trainer
-  // saving its next checkpoint over it) differs in size, mtime or ctime.
+  // saving its next checkpoint over it) differs in size, mtime or ctime (which a write moves
+  // too, and so does a `touch` that sets mtime back). A rename over its name, the usual way to
+  // save a file whole, moves the old file's ctime too, but drops its link count and leaves its
+  // bytes as they were: that is no change of the file read.
   struct Version {
     std::uint64_t size;
     timespec modified, changed;
+    nlink_t links;
     bool operator==(const Version& other) const {
       auto same = [](timespec a, timespec b) { return a.tv_sec == b.tv_sec && a.tv_nsec == b.tv_nsec; };
-      return size == other.size && same(modified, other.modified) && same(changed, other.changed);
+      return size == other.size && same(modified, other.modified) &&
+             (same(changed, other.changed) || links != other.links);
     }
   };
   Version version() const {
     auto info = status();
-    return {static_cast<std::uint64_t>(info.st_size), info.st_mtim, info.st_ctim};
+    return {static_cast<std::uint64_t>(info.st_size), info.st_mtim, info.st_ctim, info.st_nlink};
   }
 
   const std::string& path() const noexcept { return path_; }
@@ -102,6 +126,7 @@ class File {
  private:
   std::string path_;
   int fd_;
+  mode_t created_mode_ = 0;
 };
 
 FileHeader read_header(const File& file, const std::string& path) {
@@ -312,14 +337,18 @@ void save(std::span<const BucketView* const> buckets, const std::string& path) {
   for (int i = 0; i < 8; ++i) length[i] = static_cast<std::byte>(json.size() >> (8 * i));
 
   // Beside the target, under a new name, then renamed over it: a reader never sees half a file.
-  File file(path, path + ".tmp-XXXXXX");
+  // Its mode is the file's it replaces (weights kept private stay so), or what the umask leaves
+  // of 0666, as for any new file.
+  File file(path, File::Beside{});
   try {
     file.write_all(length);
     file.write_all(std::as_bytes(std::span(json)));
     for (const auto* bucket : buckets) {
       for (std::size_t i = 0; i < bucket->size(); ++i) file.write_all((*bucket)[i].bytes);
     }
-    if (::fchmod(file.descriptor(), 0644) != 0) fail_errno("cannot set the mode of", file.path());
+    struct stat replaced {};
+    auto mode = ::stat(path.c_str(), &replaced) == 0 ? replaced.st_mode & 07777 : file.created_mode();
+    if (::fchmod(file.descriptor(), mode) != 0) fail_errno("cannot set the mode of", file.path());
     file.sync();
     if (::rename(file.path().c_str(), path.c_str()) != 0) fail_errno("cannot rename " + file.path() + " to", path);
   } catch (...) {

@@ -303,6 +303,14 @@ FileHeader parse_header(std::span<const std::byte> head, std::uint64_t file_byte
   header.data_bytes = file_bytes - header.data_offset;
   HeaderReader reader(what, header.data_bytes, header);
   auto json = reinterpret_cast<const char*>(head.data()) + 8;
+  // nlohmann-json ends its input at a NUL byte and skips a byte-order mark: the format allows
+  // neither (the safetensors package refuses both), so neither may hide bytes from the parser.
+  if (length >= 3 && std::memcmp(json, "\xEF\xBB\xBF", 3) == 0) {
+    fail(ErrorCode::HeaderCorrupt, what, ": the JSON header begins with a UTF-8 byte-order mark");
+  }
+  if (const auto* nul = static_cast<const char*>(std::memchr(json, 0, length))) {
+    fail(ErrorCode::HeaderCorrupt, what, ": the JSON header holds a NUL byte at its byte ", nul - json);
+  }
   Json::sax_parse(json, json + length, &reader);
   if (!reader.done()) fail(ErrorCode::HeaderCorrupt, what, ": the JSON header ends early");
 

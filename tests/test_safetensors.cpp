@@ -136,6 +136,11 @@ TEST(SafetensorsHeader, EveryHostileHeaderIsRefusedNamingTheEntry) {
       {"{\"w\":{\"dtype\":\"" + std::string(5 << 20, 'Q') + "\"}}", ErrorCode::UnsupportedDtype, "has dtype 'QQQ"},
       {"{\"w\":{\"dtype\":\"U8\",\"shape\":[1" + std::string(5 << 20, '0') + ".5]}}", ErrorCode::HeaderCorrupt,
        "number overflow parsing '10000"},
+      // The parser's input would end at a NUL, and skip a byte-order mark: refused before it.
+      {"{\"w\":" + tensor("U8", "[8]", 0, 8) + "}" + std::string(1, '\0') + "garbage", ErrorCode::HeaderCorrupt,
+       "holds a NUL byte at its byte 53"},
+      {"{\"w\":" + tensor("U8", "[8]", 0, 8) + "}" + std::string(5, '\0'), ErrorCode::HeaderCorrupt, "NUL byte"},
+      {"\xEF\xBB\xBF{\"w\":" + tensor("U8", "[8]", 0, 8) + "}", ErrorCode::HeaderCorrupt, "byte-order mark"},
   };
   for (const auto& c : cases) {
     auto [code, message] = refusal(c.json);
@@ -306,6 +311,39 @@ TEST(SafetensorsFile, ATruncatedFileIsRefusedWholeAndASaveThatFailsLeavesNothing
   EXPECT_EQ(dir.files(), 1u);  // only w.safetensors
 }
 
+// Weights kept private stay private: a save takes the mode of the file it replaces, and a new
+// file what the umask leaves of 0666, as open() makes one; a name as long as the filesystem
+// takes is saved too (the temporary name beside it stays within NAME_MAX).
+TEST(SafetensorsFile, ASaveKeepsTheModeItReplacesOrHonoursTheUmaskWhateverTheNamesLength) {
+  TempDir dir;
+  BucketBuilder builder;
+  std::vector<std::byte> bytes(16);
+  builder.add("w", DType::U8, {16}, bytes.data());
+  auto packed = builder.pack();
+  auto view = BucketView::open(packed.frame, packed.payload.span());
+  const BucketView* one[] = {&view};
+  auto mode_of = [](const std::filesystem::path& path) {
+    struct stat status {};
+    EXPECT_EQ(::stat(path.c_str(), &status), 0);
+    return status.st_mode & 07777;
+  };
+  auto mask = ::umask(077);
+  st::save(one, dir / "private.safetensors");
+  ::umask(022);
+  st::save(one, dir / "shared.safetensors");
+  EXPECT_EQ(mode_of(dir / "private.safetensors"), 0600u);
+  EXPECT_EQ(mode_of(dir / "shared.safetensors"), 0644u);
+  std::filesystem::permissions(dir / "shared.safetensors", std::filesystem::perms::owner_read |
+                                                               std::filesystem::perms::owner_write);
+  st::save(one, dir / "shared.safetensors");  // replaced: its 0600 kept, not the umask's 0644
+  EXPECT_EQ(mode_of(dir / "shared.safetensors"), 0600u);
+  ::umask(mask);
+  auto longest = dir / (std::string(255 - 12, 'w') + ".safetensors");  // NAME_MAX, 255 bytes
+  st::save(one, longest);
+  EXPECT_EQ(st::read_header(longest).tensors.size(), 1u);
+  EXPECT_EQ(dir.files(), 3u);  // and no temporary file left
+}
+
 TEST(SafetensorsFile, AFileRewrittenWhileItIsReadIsNotPublished) {
   TempDir dir;
   auto path = dir / "w.safetensors";
@@ -333,9 +371,25 @@ TEST(SafetensorsFile, AFileRewrittenWhileItIsReadIsNotPublished) {
   }
   EXPECT_EQ(publisher.published(), 0u);
 
+  // Its name replaced meanwhile (a rename over it, as a trainer saves a checkpoint whole): the
+  // file read never changed, and is published.
+  write_file(path, file_of("{\"a\":" + tensor("U8", "[64]", 0, 64) + ",\"b\":" + tensor("U8", "[64]", 64, 128) + "}", 128));
+  bool replaced = false;
+  auto replace = [&] {
+    if (!replaced) {
+      write_file(dir / "next.safetensors", file_of("{\"c\":" + tensor("U8", "[8]", 0, 8) + "}", 8));
+      std::filesystem::rename(dir / "next.safetensors", path);
+      replaced = true;
+    }
+    return false;
+  };
+  EXPECT_EQ(st::publish_files(publisher, paths, {.interrupted = replace}).published, 1u);
+  ASSERT_TRUE(replaced);
+  EXPECT_EQ(publisher.published(), 1u);
+
   // Interrupted between two reads: nothing published, no error.
   auto result = st::publish_files(publisher, paths, {.interrupted = [] { return true; }});
   EXPECT_EQ(result.buckets, 1u);
   EXPECT_EQ(result.published, 0u);
-  EXPECT_EQ(publisher.published(), 0u);
+  EXPECT_EQ(publisher.published(), 1u);
 }

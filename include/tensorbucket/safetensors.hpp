@@ -80,7 +80,9 @@ struct FilePublish {
 // update stays unfinished (Publisher::waiting_for() says what a timeout waited for);
 // consumers of whole updates never see it. SystemError when a file cannot be read, or changed
 // since its header was read (size, mtime or ctime; the bucket it was read into is not
-// published, those before it were).
+// published, those before it were). A file whose name was replaced meanwhile (renamed over)
+// did not change: what was opened is read. Not seen: bytes written through a shared mapping
+// on tmpfs, which moves no time.
 FilePublish publish_files(Publisher& publisher, std::span<const std::string> paths,
                           const PublishFileOptions& options = {});
 
@@ -89,7 +91,8 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
 // "__metadata__" the "tensorbucket.version" and "tensorbucket.bucket_count" of the update,
 // and, for a single bucket of a split update, its "tensorbucket.bucket_index". Written to a
 // temporary file beside `path` and renamed, so a failure leaves nothing (but a process killed
-// while writing leaves its `path`.tmp-XXXXXX). The payloads must be readable on the host
+// while writing leaves its hidden `.NAME.tmp-XXXXXXXX`). Its mode is that of the file it
+// replaces, else 0666 less the umask, as for any new file. The payloads must be readable on the host
 // (copy a device bucket's first: ReceivedBucket::copy_to_host()). BadName for a name that is
 // not UTF-8 (the header is JSON) or is "__metadata__"; DuplicateName for a name in two
 // buckets; InvalidArgument for a device payload, buckets of different versions, or a header

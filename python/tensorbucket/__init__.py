@@ -660,7 +660,8 @@ def save(received: Union[Bucket, Update], path: Union[str, "os.PathLike[str]"]) 
     "tensorbucket.bucket_count" (and "tensorbucket.bucket_index" for one bucket of a split
     update), as strings. safetensors.torch.load_file reads it, and Publisher.publish_file
     publishes it again. A device bucket's bytes are copied to the host first. The file is
-    written beside `path` and renamed over it, so a failure leaves nothing behind.
+    written beside `path` and renamed over it, so a failure leaves nothing behind; it takes the
+    mode of the file it replaces, else 0666 less the umask.
 
     Raises ManifestError (BadName) for a name that is not UTF-8, and Error (SystemError) when
     the file cannot be written.
