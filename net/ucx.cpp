@@ -116,6 +116,20 @@ SocketAddress parse_address(std::string_view text, bool numeric_only, std::chron
   }
   if (host.empty()) throw bad("names no host");
   std::string host_text(host), port_text(port);
+  if (numeric_only) {
+    // A listener's address spelled out in full, so that every interface is served only when
+    // 0.0.0.0 (or [::]) is named: getaddrinfo would take inet_aton's shorthands ("0:P" and
+    // "0.0:P" are 0.0.0.0), and an IPv4-mapped address ([::ffff:0.0.0.0]) is every IPv4
+    // interface to the socket.
+    in6_addr six{};
+    in_addr four{};
+    if (text.starts_with('[')) {
+      if (::inet_pton(AF_INET6, host_text.c_str(), &six) != 1) throw bad("has no IPv6 address in its brackets");
+      if (IN6_IS_ADDR_V4MAPPED(&six)) throw bad("is an IPv4-mapped IPv6 address: name the IPv4 address itself");
+    } else if (::inet_pton(AF_INET, host_text.c_str(), &four) != 1) {
+      throw bad("is not an IPv4 address in four decimal parts (a listener takes one spelled out: 127.0.0.1)");
+    }
+  }
   auto lookup = resolve(host_text, port_text, true);  // a numeric address: no resolver
   if (lookup->status == EAI_NONAME && !numeric_only) {
     lookup = resolve_name(host_text, port_text);

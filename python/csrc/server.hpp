@@ -35,7 +35,10 @@ class PyServer {
   // Serves for `duration` seconds (None: until close() or Ctrl+C), in slices without the GIL.
   void serve(std::optional<double> duration) {
     auto deadline = deadline_in(duration);
-    auto turn = take_turn(turn_);
+    // The wait for the turn counts against the duration: while another thread serves, this one
+    // returns at its deadline, having served nothing itself.
+    auto turn = take_turn(turn_, deadline);
+    if (!turn) return;
     wait_until(deadline, [&](std::chrono::milliseconds slice) {
       if (turn_.closing && server_) return true;  // close() from another thread ends the wait
       live().serve_for(slice);

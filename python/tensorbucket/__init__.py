@@ -593,6 +593,7 @@ class Server:
 
     def serve(self, duration: Optional[float] = None) -> None:
         """Serve for `duration` seconds (None: until close() from another thread, or Ctrl+C).
+        While another thread serves, this one waits its turn within the same duration.
 
         Problems with one relay are logged to stderr and drop that relay only; a local bucket
         that fails its checks is logged and skipped. Raises what else Subscriber.next() raises

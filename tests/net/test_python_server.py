@@ -125,6 +125,13 @@ def test_server_errors_name_what_is_wrong(tmp_path):
     with tensorbucket.Publisher(channel, min_consumers=0):
         with pytest.raises(tensorbucket.InvalidArgument, match="port"):
             tensorbucket.Server(channel, "127.0.0.1", token)
+        # Every interface only where 0.0.0.0 (or [::]) is named: inet_aton's shorthands and an
+        # IPv4-mapped address would listen there too.
+        for shorthand in ("0:0", "0.0:0", "127.1:0", "0x7f.0.0.1:0"):
+            with pytest.raises(tensorbucket.InvalidArgument, match="not an IPv4 address in four decimal parts"):
+                tensorbucket.Server(channel, shorthand, token)
+        with pytest.raises(tensorbucket.InvalidArgument, match="IPv4-mapped"):
+            tensorbucket.Server(channel, "[::ffff:0.0.0.0]:0", token)
         with pytest.raises(tensorbucket.NetworkError, match="192.0.2.1:0: not an address of this host") as unbound:
             tensorbucket.Server(channel, "192.0.2.1:0", token)  # TEST-NET-1: not this host's
         assert unbound.value.code == "NetworkError"
@@ -375,3 +382,23 @@ def test_a_restarted_python_server_listens_again_on_its_port_at_once(tmp_path, p
     wait_for(lambda: (tmp_path / "relay.log").read_text().count("connected to") >= 2 or second.poll() is not None,
              30, "the relay to connect to the restarted server")
     assert second.poll() is None, second.stderr.read()
+
+
+def test_serve_with_a_duration_returns_at_it_while_another_thread_serves(tmp_path):
+    token = make_token(tmp_path / "token")
+    channel = f"pyturn{os.getpid()}"
+    with tensorbucket.Publisher(channel, min_consumers=0):
+        with tensorbucket.Server(channel, "127.0.0.1:0", token) as server:
+            serving = threading.Thread(target=server.serve)  # without end, until close()
+            serving.start()
+            time.sleep(0.5)  # it has the turn
+            start = time.monotonic()
+            timed = threading.Thread(target=server.serve, args=(0.5,))  # waits for the turn: counted
+            timed.start()
+            timed.join(timeout=5)
+            returned, waited = not timed.is_alive(), time.monotonic() - start
+            server.close()
+            serving.join(timeout=10)
+            timed.join(timeout=10)
+            assert returned and 0.4 < waited < 3, waited
+            assert not serving.is_alive()
