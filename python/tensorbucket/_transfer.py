@@ -222,6 +222,7 @@ class UpdatePublisher:
                                              device=device, policy=policy,
                                              update_buckets=buckets if policy == "latest" else 1)
         self._publisher: Optional[Publisher] = Publisher(channel, **self._options)
+        self._closing = threading.Lock()
 
     @property
     def incarnation(self) -> int:
@@ -269,14 +270,16 @@ class UpdatePublisher:
                 drain(groups)
                 return
             publisher.publish(pending, version=version, bucket_index=index, bucket_count=count,
-                                    timeout=self.timeout)
+                              timeout=self.timeout)
             pending = {}
 
     def close(self) -> None:
-        """Closes the channel: its consumers get ProducerGone once they took what was published."""
-        if self._publisher is not None:
-            self._publisher.close()
-            self._publisher = None
+        """Closes the channel: its consumers get ProducerGone once they took what was published.
+        Safe from any thread (the trainer's closes it from the one that waits for the workers)."""
+        with self._closing:
+            publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            publisher.close()
 
 
 def drain(groups: Iterator[Any]) -> None:
