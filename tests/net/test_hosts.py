@@ -538,7 +538,7 @@ def test_a_flood_from_links_without_the_token_neither_piles_up_nor_stalls_a_rela
     server = h.server(count)
     wait_for(lambda: "serving 127.0.0.1" in h.text("serve"), 30, "the relay to get in")
     before = anonymous_rss_mib(serve.pid)
-    flood = subprocess.Popen([os.environ["TBUCKET_SILENT_PEER"], address, "8", "7", "flood"],
+    flood = subprocess.Popen([os.environ["TBUCKET_SILENT_PEER"], address, "8", "30", "flood"],
                              stdout=subprocess.PIPE, text=True)
     peak = before
     # serve held up for a while once the flood is on, as on a loaded host: it comes back to a
@@ -554,7 +554,8 @@ def test_a_flood_from_links_without_the_token_neither_piles_up_nor_stalls_a_rela
         peak = max(peak, anonymous_rss_mib(serve.pid))
         time.sleep(0.05)
     out = flood.stdout.read().split()
-    assert out[:2] == ["challenged", "8"] and out[4:6] == ["cut", "8"], out  # all cut off, after 3 s
+    # all cut off, 3 s after they came, within the 30 s the flood goes on at most
+    assert out[:2] == ["challenged", "8"] and out[4:6] == ["cut", "8"], out
     assert int(out[7]) > 100_000, out  # the flood did flood
     assert peak - before < 64, f"serve grew from {before:.0f} to {peak:.0f} MiB under the flood"
     assert server.wait(timeout=60) == 0, h.text("server")
