@@ -51,8 +51,8 @@ struct RemoteState {
   bool broken = false;
   bool challenged = false;  // the server spoke first: something that speaks tensorbucket answered
 
-  RemoteState(std::string_view where, const ConnectOptions& connect, const std::string& interface)
-      : address(where), options(connect), worker(interface) {}
+  RemoteState(std::string_view where, const ConnectOptions& connect, const SocketAddress& peer)
+      : address(where), options(connect), worker(interface_towards(peer), peer.storage.ss_family) {}
   ~RemoteState() {
     detail::close(worker, endpoint, kCloseLimit);
     for (auto& pending : acks) pending.request.cancel();  // while the worker lives; the bytes go after it
@@ -485,7 +485,7 @@ RemoteSubscriber RemoteSubscriber::connect(std::string_view address, const Conne
   timeout = std::min(timeout, std::chrono::milliseconds(std::chrono::hours(24)));
   auto until = detail::Clock::now() + timeout;
   auto where = detail::parse_address(address, false, timeout);
-  auto state = std::make_unique<detail::RemoteState>(address, options, detail::interface_towards(where));
+  auto state = std::make_unique<detail::RemoteState>(address, options, where);
   detail::connect(state->worker.get(), state->endpoint, where);
   state->handshake(until, options.token);
   return RemoteSubscriber(std::move(state));

@@ -173,8 +173,8 @@ struct ServerState {
   std::string address;
   pid_t pid = ::getpid();  // the serving process; a forked child inherits this, not the role
 
-  ServerState(Subscriber sub, const ServeOptions& serve, const std::string& interface)
-      : options(serve), subscriber(std::move(sub)), worker(interface) {
+  ServerState(Subscriber sub, const ServeOptions& serve, const SocketAddress& listen)
+      : options(serve), subscriber(std::move(sub)), worker(interface_holding(listen), listen.storage.ss_family) {
     worker.set_progress_calls(1);  // turn() hears after each
   }
   ~ServerState() {
@@ -584,7 +584,7 @@ Server Server::start(std::string_view channel, const ServeOptions& options, std:
   auto address = detail::parse_address(options.listen, true);
   detail::check_listenable(address);
   auto subscriber = Subscriber::attach(channel, attach_timeout, {.follow_restarts = true});
-  auto state = std::make_unique<detail::ServerState>(std::move(subscriber), options, detail::interface_holding(address));
+  auto state = std::make_unique<detail::ServerState>(std::move(subscriber), options, address);
   ucp_listener_params_t params{};
   params.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
   params.sockaddr.addr = address.get();

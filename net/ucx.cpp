@@ -271,7 +271,7 @@ std::string rdma_ports() {
 
 }  // namespace
 
-Worker::Worker(const std::string& interface) {
+Worker::Worker(const std::string& interface, sa_family_t family) {
   ucp_config_t* config = nullptr;
   if (auto status = ucp_config_read(nullptr, nullptr, &config); status != UCS_OK) fail_ucx("ucp_config_read", status);
   // Unless the user named the devices: in the environment (even "all"), or in a ucx.conf. A
@@ -286,6 +286,12 @@ Worker::Worker(const std::string& interface) {
     if (auto status = ucp_config_modify(config, "NET_DEVICES", devices.c_str()); status != UCS_OK) {
       ucp_config_release(config);
       fail_ucx("holding UCX to " + devices, status);
+    }
+  }
+  if (family == AF_INET6 && std::getenv("UCX_TCP_AF_PRIO") == nullptr) {
+    if (auto status = ucp_config_modify(config, "TCP_AF_PRIO", "inet6,inet"); status != UCS_OK) {
+      ucp_config_release(config);
+      fail_ucx("preferring IPv6", status);
     }
   }
   // Unless the user set it (UCX_TCP_CM_REUSEADDR): a server restarted on its port binds it

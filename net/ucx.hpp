@@ -48,8 +48,11 @@ class Worker {
   // UCX opens listening sockets of its own for its TCP transport, by default on every network
   // interface, and speaks its own protocol there before our handshake. `interface` holds its
   // network devices to that one and the host's RDMA ports, unless its configuration (the
-  // environment or a ucx.conf) names the devices itself.
-  explicit Worker(const std::string& interface = {});
+  // environment or a ucx.conf) names the devices itself. `family` (AF_INET6 for a link over
+  // IPv6) is the one its TCP transport takes on that interface, unless UCX_TCP_AF_PRIO says:
+  // UCX picks IPv4 first, and a server on IPv4 beside a relay on IPv6 writes past the end of
+  // UCX's own address buffers (UCX 1.22) instead of connecting.
+  explicit Worker(const std::string& interface = {}, sa_family_t family = AF_UNSPEC);
   ~Worker();
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;

@@ -66,18 +66,30 @@ def remove_hosts():
     ip("netns", "del", B, check=False)
 
 
-def in_host(ns, *command, **kwargs):
-    env = dict(os.environ, UCX_TLS="tcp")
+def in_host(ns, *command, env=None, **kwargs):
+    env = dict(os.environ, UCX_TLS="tcp", **(env or {}))
     return subprocess.Popen(["ip", "netns", "exec", ns, *command], env=env, **kwargs)
+
+
+def perftest_program():
+    """The ucx_perftest of the UCX tbucket is built on, and its environment: the one of PyPI's
+    libucx in this Python (net/meson.build), with its libraries, else the system's."""
+    try:
+        import libucx
+    except ImportError:
+        return "ucx_perftest", {}
+    prefix = pathlib.Path(libucx.__file__).parent
+    return str(prefix / "bin" / "ucx_perftest"), {"LD_LIBRARY_PATH": str(prefix / "lib")}
 
 
 def perftest(test, size, iterations, port):
     """ucx_perftest's Final line as {field: value}: its server in host a, its client in b."""
-    server = in_host(A, "ucx_perftest", "-p", str(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    program, env = perftest_program()
+    server = in_host(A, program, "-p", str(port), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(0.5)
-        client = in_host(B, "ucx_perftest", ADDR_A, "-p", str(port), "-t", test, "-s", str(size), "-n",
-                         str(iterations), "-w", str(max(2, iterations // 10)), stdout=subprocess.PIPE,
+        client = in_host(B, program, ADDR_A, "-p", str(port), "-t", test, "-s", str(size), "-n",
+                         str(iterations), "-w", str(max(2, iterations // 10)), env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
         out, _ = client.communicate(timeout=300)
     finally:

@@ -577,7 +577,7 @@ class Server:
     ) -> None:
         if not hasattr(_C, "Server"):
             raise _error(Error, "this build of tensorbucket has no network side: build it where UCX and "
-                         "OpenSSL are installed (Debian: libucx-dev, libssl-dev)")
+                         "OpenSSL are: PyPI's libucx-cu13 in this Python, and libssl-dev (docs/network.md)")
         seconds = _seconds("peer_timeout", peer_timeout)
         if seconds is None:
             raise TypeError("peer_timeout must be seconds (an int or a float), not None")
