@@ -1,6 +1,8 @@
 // safetensors files read into slots and written from buckets.
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "serialize/text.hpp"
+#include "tensorbucket/header.hpp"
 #include "tensorbucket/safetensors.hpp"
 
 namespace tensorbucket::safetensors {
@@ -86,6 +89,13 @@ class File {
   Version version() const {
     auto info = status();
     return {static_cast<std::uint64_t>(info.st_size), info.st_mtim, info.st_ctim, info.st_nlink};
+  }
+
+  // Whether writes through a shared mapping leave the file's times as they were: tmpfs (and
+  // so /dev/shm) dates none of them, so version() cannot see them there.
+  bool undated_writes() const {
+    struct statfs info {};
+    return ::fstatfs(fd_, &info) == 0 && info.f_type == TMPFS_MAGIC;
   }
 
   const std::string& path() const noexcept { return path_; }
@@ -253,6 +263,15 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
   constexpr std::uint64_t kReadPiece = 64 << 20;  // between two looks at `interrupted`
   std::vector<std::byte> staging;  // a device channel's: one tensor at a time
   bool on_host = publisher.location().on_host();
+  // A file whose writes through a mapping version() cannot see is checked by its bytes: each
+  // piece hashed as it lands, then read and hashed again once the bucket is read. A piece that
+  // changed in between fails the bucket. Pieces of 1 MiB there, so that both hashes read
+  // from the cache (and the second read is from memory: tmpfs is memory).
+  constexpr std::uint64_t kHashedPiece = 1 << 20;
+  std::vector<bool> reread(files.size());
+  for (std::size_t i = 0; i < files.size(); ++i) reread[i] = files[i]->undated_writes();
+  std::vector<std::uint64_t> piece_hashes;
+  std::vector<std::byte> scratch;
   for (std::uint32_t b = 0; b < result.buckets; ++b) {
     const auto& part = parts[b];
     const auto& file = *files[part.file];
@@ -260,6 +279,8 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
     auto reservation = reserve(publisher, layouts[b], options);
     if (!reservation) return result;  // nothing reserved: the update stays unfinished
     auto spans = reservation->entry_spans();
+    piece_hashes.clear();
+    auto piece_bytes = reread[part.file] ? kHashedPiece : kReadPiece;
     for (auto i = part.first; i < part.last; ++i) {
       const auto& tensor = header.tensors[i];
       auto span = spans[i - part.first];
@@ -270,9 +291,10 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
       }
       // Straight into the slot (or the staging buffer), in pieces; an interrupted bucket is
       // abandoned with its reservation, never committed.
-      for (std::uint64_t at = 0; at < into.size(); at += kReadPiece) {
-        auto piece = into.subspan(at, std::min<std::uint64_t>(kReadPiece, into.size() - at));
+      for (std::uint64_t at = 0; at < into.size(); at += piece_bytes) {
+        auto piece = into.subspan(at, std::min<std::uint64_t>(piece_bytes, into.size() - at));
         file.read_at(piece, header.data_offset + tensor.begin + at);
+        if (reread[part.file]) piece_hashes.push_back(xxh3(piece));
         if (interrupted()) return result;
       }
       if (!on_host && !span.empty()) reservation->write(i - part.first, staging.data());  // pageable: taken on return
@@ -280,6 +302,21 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
     if (!(file.version() == versions[part.file])) {
       fail(ErrorCode::SystemError, file.path(), " changed while it was read (size or modification time); "
                                                 "nothing more of this update was published");
+    }
+    if (reread[part.file]) {
+      auto hash = piece_hashes.begin();
+      for (auto i = part.first; i < part.last; ++i) {
+        const auto& tensor = header.tensors[i];
+        auto size = tensor.end - tensor.begin;
+        for (std::uint64_t at = 0; at < size; at += piece_bytes) {
+          scratch.resize(std::min<std::uint64_t>(piece_bytes, size - at));
+          file.read_at(scratch, header.data_offset + tensor.begin + at);
+          if (xxh3(scratch) != *hash++) {
+            fail(ErrorCode::SystemError, file.path(), " changed while it was read (tensor ", Quoted{tensor.name},
+                 ", written through a mapping, which tmpfs does not date); nothing more of this update was published");
+          }
+        }
+      }
     }
     reservation->commit();
     ++result.published;

@@ -1,6 +1,9 @@
 // safetensors files (safetensors.hpp): the header parser against hostile headers, each refusal
 // typed and naming the entry; files published into a channel and saved back, byte for byte.
 #include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -342,6 +345,53 @@ TEST(SafetensorsFile, ASaveKeepsTheModeItReplacesOrHonoursTheUmaskWhateverTheNam
   st::save(one, longest);
   EXPECT_EQ(st::read_header(longest).tensors.size(), 1u);
   EXPECT_EQ(dir.files(), 3u);  // and no temporary file left
+}
+
+TEST(SafetensorsFile, AFileOnTmpfsWrittenThroughAMappingWhileItIsReadIsNotPublished) {
+  // /dev/shm is tmpfs, which dates no write made through a shared mapping: the size and times
+  // stay as they were, and only the bytes tell.
+  auto path = "/dev/shm/tbst-" + std::to_string(::getpid()) + "-mapped.safetensors";
+  struct Removed {
+    std::string path;
+    ~Removed() { std::filesystem::remove(path); }
+  } removed{path};
+  write_file(path, file_of("{\"a\":" + tensor("U8", "[64]", 0, 64) + ",\"b\":" + tensor("U8", "[64]", 64, 128) + "}", 128));
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  auto size = std::filesystem::file_size(path);
+  auto* mapped = static_cast<std::byte*>(::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  ::close(fd);
+  ASSERT_NE(mapped, MAP_FAILED);
+  // A first write makes the mapping writable (a fault, which dates the file); the writes after
+  // it fault no more, and date nothing.
+  mapped[size - 1] = std::byte{0};
+  auto publisher = Publisher::create(channel_name("mapped"), {.slots = 2, .min_consumers = 0});
+  std::vector<std::string> paths = {path};
+  struct stat before {};
+  ASSERT_EQ(::stat(path.c_str(), &before), 0);
+  bool written = false;
+  // Asked after each read, the first time after tensor "a": its last byte changes in the file.
+  auto write = [&] {
+    if (!written) mapped[size - 128 + 63] = std::byte{0x5a};
+    written = true;
+    return false;
+  };
+  try {
+    st::publish_files(publisher, paths, {.interrupted = write});
+    FAIL() << "published a file written meanwhile";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::SystemError);
+    EXPECT_NE(std::string(e.what()).find("changed while it was read (tensor 'a'"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(publisher.published(), 0u);
+  struct stat after {};
+  ASSERT_EQ(::stat(path.c_str(), &after), 0);
+  EXPECT_EQ(after.st_mtim.tv_nsec, before.st_mtim.tv_nsec);  // what the size and time test saw: nothing
+  EXPECT_EQ(after.st_mtim.tv_sec, before.st_mtim.tv_sec);
+
+  // Unchanged, it is published.
+  EXPECT_EQ(st::publish_files(publisher, paths, {}).published, 1u);
+  ::munmap(mapped, size);
 }
 
 TEST(SafetensorsFile, AFileRewrittenWhileItIsReadIsNotPublished) {

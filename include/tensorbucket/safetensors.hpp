@@ -76,13 +76,15 @@ struct FilePublish {
 // Publishes the files' tensors as one update, each file read once, tensor by tensor, straight
 // into the slots (a device channel's through a host buffer of one tensor). Every header is
 // read and checked before anything is published. When a wait for a slot times out, or
-// options.interrupted says so (between two 64 MiB reads), the rest is not published and the
-// update stays unfinished (Publisher::waiting_for() says what a timeout waited for);
-// consumers of whole updates never see it. SystemError when a file cannot be read, or changed
-// since its header was read (size, mtime or ctime; the bucket it was read into is not
-// published, those before it were). A file whose name was replaced meanwhile (renamed over)
-// did not change: what was opened is read. Not seen: bytes written through a shared mapping
-// on tmpfs, which moves no time.
+// options.interrupted says so (between two reads of 64 MiB, 1 MiB on tmpfs), the rest is not
+// published and the update stays unfinished (Publisher::waiting_for() says what a timeout
+// waited for); consumers of whole updates never see it. SystemError when a file cannot be
+// read, or changed since its header was read (size, mtime or ctime; the bucket it was read
+// into is not published, those before it were). A file whose name was replaced meanwhile
+// (renamed over) did not change: what was opened is read. On tmpfs, which dates no write
+// made through a shared mapping, each bucket's bytes are read a second time and compared by
+// hash too (about half the speed of one read there). Not seen elsewhere: a write through a
+// mapping to a page already written since its last writeback, which dates nothing either.
 FilePublish publish_files(Publisher& publisher, std::span<const std::string> paths,
                           const PublishFileOptions& options = {});
 
