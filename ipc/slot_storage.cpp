@@ -139,7 +139,11 @@ bool SlotStorage::fit(std::uint64_t payload_bytes, std::uint64_t frame_bytes) {
   if (segment_ && !segment_->damaged() && payload_bytes <= payload_capacity_ && frame_bytes <= frame_capacity_) {
     return false;
   }
-  auto payload_capacity = round_up(std::max(payload_bytes, payload_capacity_), ordinal_ ? kDevicePageBytes : kPageBytes);
+  // A device payload has one page at least: cuMemAlloc refuses 0 bytes, and a channel's first
+  // bucket may be empty.
+  auto page = ordinal_ ? kDevicePageBytes : kPageBytes;
+  auto least = ordinal_ ? kDevicePageBytes : 0;
+  auto payload_capacity = round_up(std::max({payload_bytes, payload_capacity_, least}), page);
   auto frame_capacity = round_up(std::max({frame_bytes, frame_capacity_, kMinFrameCapacity}), kPageBytes);
   auto epoch = epoch_ + 1;
   // New storage under a new epoch, all of it: consumers key what they imported by the epoch.

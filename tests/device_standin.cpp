@@ -60,6 +60,7 @@ int leave() { return 0; }
 
 int allocate(ipc::DeviceAddress* address, std::uint64_t bytes) {
   if (injected("allocate")) return StandIn::kInjectedError;
+  if (bytes == 0) return kInvalidValue;  // as the driver's cuMemAlloc
   int fd = ::memfd_create("tensorbucket-standin", MFD_CLOEXEC);
   if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(bytes)) != 0) return kInvalidValue;
   void* memory = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

@@ -181,6 +181,20 @@ TEST_F(DeviceChannel, SlotsAreImportedOncePerEpochAndClosedWhenReplaced) {
   EXPECT_GE(grown.payload_capacity, 4u << 20);
 }
 
+TEST_F(DeviceChannel, AnEmptyFirstBucketGetsADevicePageAndTravels) {
+  auto publisher = Publisher::create(channel, on_device());
+  Child consumer([&] {
+    auto subscriber = Subscriber::attach(channel, 10s);
+    if (next_bucket(subscriber).view().size() != 0) return 3;
+    return cli::check_bucket(next_bucket(subscriber).view(), 1, 1).empty() ? 0 : 4;
+  });
+  // cuMemAlloc refuses 0 bytes: the empty bucket's slot is still one whole device page.
+  ASSERT_TRUE(publisher.publish(BucketBuilder{}, 10s));
+  EXPECT_EQ(inspect_channel(channel).slot_states[0].payload_capacity, 2u << 20);
+  ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 2}, 1).builder, 10s));
+  EXPECT_EQ(consumer.wait(), 0);
+}
+
 TEST_F(DeviceChannel, SubscribersOfOneProducerInOneProcessShareTheImports) {
   auto publisher = Publisher::create(channel, {.min_consumers = 2, .location = PayloadLocation::cuda(0)});
   Child consumers([&] {
