@@ -6,6 +6,7 @@ import inspect
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -265,3 +266,19 @@ def test_a_dtype_and_shape_mismatch_of_one_tensor_counts_once():
         tensorbucket.load_into(target, {"w": torch.zeros(2, dtype=torch.float64), "b": torch.zeros(2)})
     assert str(mismatch.value) == ("ManifestMismatch: bucket does not match the expected manifest (1 mismatched): "
                                    "'w' has dtype F64, expected F32, and shape [2], expected [4]")
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="no readelf here")
+def test_the_module_uses_the_shared_cpp_runtime_torch_uses():
+    # A module with its own copy of libstdc++ (where the compiler links it statically by
+    # default) mixes it with torch's shared one: an error message with a number in it crashed.
+    dynamic = subprocess.run(["readelf", "--wide", "--dynamic", _C.__file__], capture_output=True, text=True,
+                             check=True).stdout
+    assert re.search(r"\(NEEDED\).*\[libstdc\+\+\.so", dynamic), dynamic
+    symbols = subprocess.run(["readelf", "--wide", "--dyn-syms", _C.__file__], capture_output=True, text=True,
+                             check=True).stdout
+    # Out-of-line members of libstdc++ itself (never instantiated in our code) must not be ours.
+    rows = [line.split() for line in symbols.splitlines()]
+    defined = [row[7] for row in rows if len(row) >= 8 and row[0].endswith(":") and row[6] != "UND"]
+    private = [name for name in defined if name.startswith(("_ZNSo9_M_insert", "_ZNSt6locale", "_ZNKSt7codecvt"))]
+    assert private == [], private[:5]
