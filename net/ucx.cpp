@@ -274,6 +274,13 @@ std::string rdma_ports() {
 Worker::Worker(const std::string& interface, sa_family_t family) {
   ucp_config_t* config = nullptr;
   if (auto status = ucp_config_read(nullptr, nullptr, &config); status != UCS_OK) fail_ucx("ucp_config_read", status);
+  // One setting of ours in the configuration, or the configuration let go of and NetworkError.
+  auto set = [&](const char* name, const char* value, std::string_view what) {
+    if (auto status = ucp_config_modify(config, name, value); status != UCS_OK) {
+      ucp_config_release(config);
+      fail_ucx(what, status);
+    }
+  };
   // Unless the user named the devices: in the environment (even "all"), or in a ucx.conf. A
   // configuration that cannot be read is held too: the hold guards the host.
   bool user_named = std::getenv("UCX_NET_DEVICES") != nullptr;
@@ -283,25 +290,12 @@ Worker::Worker(const std::string& interface, sa_family_t family) {
   }
   if (!interface.empty() && !user_named) {
     auto devices = interface + rdma_ports();
-    if (auto status = ucp_config_modify(config, "NET_DEVICES", devices.c_str()); status != UCS_OK) {
-      ucp_config_release(config);
-      fail_ucx("holding UCX to " + devices, status);
-    }
+    set("NET_DEVICES", devices.c_str(), "holding UCX to " + devices);
   }
-  if (family == AF_INET6 && std::getenv("UCX_TCP_AF_PRIO") == nullptr) {
-    if (auto status = ucp_config_modify(config, "TCP_AF_PRIO", "inet6,inet"); status != UCS_OK) {
-      ucp_config_release(config);
-      fail_ucx("preferring IPv6", status);
-    }
-  }
+  if (family == AF_INET6 && std::getenv("UCX_TCP_AF_PRIO") == nullptr) set("TCP_AF_PRIO", "inet6,inet", "preferring IPv6");
   // Unless the user set it (UCX_TCP_CM_REUSEADDR): a server restarted on its port binds it
   // again at once, over the last one's connections in TIME_WAIT, as check_listenable() does.
-  if (std::getenv("UCX_TCP_CM_REUSEADDR") == nullptr) {
-    if (auto status = ucp_config_modify(config, "CM_REUSEADDR", "y"); status != UCS_OK) {
-      ucp_config_release(config);
-      fail_ucx("setting CM_REUSEADDR", status);
-    }
-  }
+  if (std::getenv("UCX_TCP_CM_REUSEADDR") == nullptr) set("CM_REUSEADDR", "y", "setting CM_REUSEADDR");
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
