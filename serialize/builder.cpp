@@ -7,6 +7,7 @@
 #include "tensorbucket/bucket.hpp"
 #include "copy.hpp"
 #include "identity.hpp"
+#include "name_index.hpp"
 #include "text.hpp"
 #include "verify.hpp"
 
@@ -59,9 +60,7 @@ void BucketBuilder::restamp() noexcept {
 void BucketBuilder::append(std::string name, DType dtype, Shape shape) {
   encoded_.clear();
   detail::check_name(name, manifest_.entries.size(), "entry");
-  if (entry_index_.contains(name)) {
-    fail(ErrorCode::DuplicateName, "entry name ", Quoted{name}, " was already added");
-  }
+  if (find_entry(name)) fail(ErrorCode::DuplicateName, "entry name ", Quoted{name}, " was already added");
   auto byte_length = detail::check_tensor(name, dtype, shape);
   if (manifest_.entries.size() >= kMaxEntries) {
     fail(ErrorCode::InvalidArgument, "entry ", Quoted{name}, " is one too many: a bucket holds at most ",
@@ -74,12 +73,22 @@ void BucketBuilder::append(std::string name, DType dtype, Shape shape) {
          ", past the limit of ", kMaxPayloadBytes);
   }
 
-  auto group = group_of_member_.find(name);
-  ManifestEntry entry{std::move(name), dtype, std::move(shape), byte_offset, byte_length,
-                      group == group_of_member_.end() ? std::string{} : group->second};
-  entry_index_.emplace(entry.name, manifest_.entries.size());
+  std::string group;
+  if (!group_of_member_.empty()) {
+    if (auto found = group_of_member_.find(name); found != group_of_member_.end()) group = found->second;
+  }
+  manifest_.entries.push_back({std::move(name), dtype, std::move(shape), byte_offset, byte_length, std::move(group)});
+  try {
+    detail::index_last(entry_slots_, manifest_.entries);
+  } catch (...) {  // out of memory: nothing added
+    manifest_.entries.pop_back();
+    throw;
+  }
   payload_bytes_ = end;
-  manifest_.entries.push_back(std::move(entry));
+}
+
+std::optional<std::size_t> BucketBuilder::find_entry(std::string_view name) const {
+  return detail::find_name(entry_slots_, manifest_.entries, name);
 }
 
 BucketBuilder& BucketBuilder::add(std::string name, DType dtype, Shape shape,
@@ -101,18 +110,18 @@ BucketBuilder& BucketBuilder::declare(std::string name, DType dtype, Shape shape
 }
 
 BucketBuilder& BucketBuilder::set_data(std::string_view name, const void* data) {
-  auto entry = entry_index_.find(std::string(name));
-  if (entry == entry_index_.end()) fail(ErrorCode::InvalidArgument, "the builder has no entry ", Quoted{name});
-  const auto& added = manifest_.entries[entry->second];
+  auto entry = find_entry(name);
+  if (!entry) fail(ErrorCode::InvalidArgument, "the builder has no entry ", Quoted{name});
+  const auto& added = manifest_.entries[*entry];
   // An empty entry has no bytes to point at: it takes any address, null included.
-  if (sources_[entry->second] == nullptr && added.byte_length != 0) {
+  if (sources_[*entry] == nullptr && added.byte_length != 0) {
     fail(ErrorCode::InvalidArgument, "entry ", Quoted{name}, " was declared for in-place writing: it has no data to move");
   }
   if (data == nullptr && added.byte_length != 0) {
     fail(ErrorCode::Unmaterialized, "entry ", Quoted{name}, " of ", added.dtype, ' ', Dims{added.shape},
          " was given no data (an unmaterialized tensor?)");
   }
-  sources_[entry->second] = static_cast<const std::byte*>(data);
+  sources_[*entry] = static_cast<const std::byte*>(data);
   return *this;
 }
 
@@ -135,9 +144,7 @@ BucketBuilder& BucketBuilder::group(std::string name, std::vector<std::string> m
   encoded_.clear();
   for (const auto& member : members) {
     group_of_member_.emplace(member, name);
-    if (auto entry = entry_index_.find(member); entry != entry_index_.end()) {
-      manifest_.entries[entry->second].group = name;
-    }
+    if (auto entry = find_entry(member)) manifest_.entries[*entry].group = name;
   }
   manifest_.groups.push_back({std::move(name), std::move(members)});
   return *this;
@@ -148,7 +155,7 @@ const Manifest& BucketBuilder::manifest() const {
   if (!encoded_.empty()) return manifest_;
   for (const auto& group : manifest_.groups) {
     for (const auto& member : group.members) {
-      if (!entry_index_.contains(member)) {
+      if (!find_entry(member)) {
         fail(ErrorCode::IncompleteGroup, "group ", Quoted{group.name}, " is missing member ",
              Quoted{member});
       }

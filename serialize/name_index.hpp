@@ -1,6 +1,7 @@
 // Internal: entry name -> entry position, as a flat open-addressing table. The consumer builds
-// one per bucket (uniqueness check, group lookups, BucketView::find); node-based maps cost
-// an allocation per name, which dominated verification of large manifests.
+// one per bucket (uniqueness check, group lookups, BucketView::find) and the builder grows one
+// an entry at a time; node-based maps cost an allocation (and, in the builder, a copy of the
+// name) per entry, which dominated verification of large manifests and a new builder's add().
 #pragma once
 
 #include <cstddef>
@@ -14,6 +15,16 @@
 
 namespace tensorbucket::detail {
 
+// The table itself, over entries kept elsewhere: per slot, the high 32 bits of the name's hash
+// and the entry's position + 1 in the low 32; 0 is empty. At most half full.
+using NameSlots = std::vector<std::uint64_t>;
+
+std::optional<std::size_t> find_name(std::span<const std::uint64_t> slots, std::span<const ManifestEntry> entries,
+                                     std::string_view name);
+// Indexes the last of `entries` (those indexed so far, plus one), growing `slots` when it
+// would be more than half full. The name must not be indexed yet (find_name() first).
+void index_last(NameSlots& slots, std::span<const ManifestEntry> entries);
+
 class NameIndex {
  public:
   // Indexes the names of `entries`, which must outlive the index (it keeps a span, whose
@@ -21,12 +32,11 @@ class NameIndex {
   // entry whose name repeats an earlier one, or nullopt when all are unique.
   std::optional<std::size_t> build(std::span<const ManifestEntry> entries);
 
-  std::optional<std::size_t> find(std::string_view name) const;
+  std::optional<std::size_t> find(std::string_view name) const { return find_name(slots_, entries_, name); }
 
  private:
   std::span<const ManifestEntry> entries_;
-  // Per slot: high 32 bits of the name's hash, low 32 bits entry position + 1; 0 is empty.
-  std::vector<std::uint64_t> slots_;
+  NameSlots slots_;
 };
 
 }  // namespace tensorbucket::detail

@@ -147,6 +147,26 @@ TEST(Builder, RefusesDuplicateName) {
   EXPECT_EQ(builder.manifest().entries.size(), 1u);
 }
 
+// The name index grows as entries come: every name stays found, and a repeat of any is refused
+// with nothing added, before and after the index grew past its first table.
+TEST(Builder, FindsEveryNameAsTheIndexGrows) {
+  BucketBuilder builder;
+  std::vector<float> values(5000);
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    builder.add("model.layers." + std::to_string(i) + ".weight", DType::F32, {}, &values[i]);
+    for (std::size_t repeat : {std::size_t{0}, i / 2, i}) {
+      expect_error(ErrorCode::DuplicateName, [&] {
+        builder.add("model.layers." + std::to_string(repeat) + ".weight", DType::F32, {}, &values[0]);
+      });
+    }
+  }
+  ASSERT_EQ(builder.manifest().entries.size(), values.size());
+  float moved = 0;
+  builder.set_data("model.layers.4321.weight", &moved);
+  EXPECT_EQ(builder.entry_sources()[4321], reinterpret_cast<const std::byte*>(&moved));
+  expect_error(ErrorCode::InvalidArgument, [&] { builder.set_data("model.layers.5000.weight", &moved); });
+}
+
 TEST(Builder, RefusesEmptyName) {
   float x = 0;
   BucketBuilder builder;

@@ -133,10 +133,11 @@ class BucketBuilder {
  private:
   void append(std::string name, DType dtype, Shape shape);
   void restamp() noexcept;  // the identity fields into encoded_, when kept
+  std::optional<std::size_t> find_entry(std::string_view name) const;  // its position in manifest_.entries
 
   Manifest manifest_;
   std::vector<const std::byte*> sources_;  // per entry; null for declare()d entries
-  std::unordered_map<std::string, std::size_t> entry_index_;
+  std::vector<std::uint64_t> entry_slots_;  // entry names -> positions in manifest_.entries (flat)
   std::unordered_map<std::string, std::string> group_of_member_;
   std::uint64_t payload_bytes_ = 0;
   mutable std::vector<std::byte> encoded_;  // empty until encoded_manifest(), and after changes
