@@ -346,14 +346,6 @@ bool fits(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation 
 
 bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
                       std::span<const at::Tensor> tensors, std::chrono::milliseconds timeout, CudaStream stream) {
-  std::vector<const at::Tensor*> held(tensors.size());
-  for (std::size_t i = 0; i < tensors.size(); ++i) held[i] = &tensors[i];
-  return publish_in_place(publisher, layout, std::span<const at::Tensor* const>(held), timeout, stream);
-}
-
-bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
-                      std::span<const at::Tensor* const> tensors, std::chrono::milliseconds timeout,
-                      CudaStream stream) {
   auto where = publisher.location();
   const auto& entries = layout.manifest().entries;
   if (tensors.size() != entries.size()) {
@@ -364,9 +356,9 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
   // copied as they are (null: copy_ it). The copy loop then touches only the bytes.
   std::vector<const void*> bytes(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    if (i + kAhead < tensors.size()) prefetch_impl(*tensors[i + kAhead]);
-    if (i + kAhead / 2 < tensors.size()) prefetch_storage(*tensors[i + kAhead / 2]);
-    const auto& tensor = *tensors[i];
+    if (i + kAhead < tensors.size()) prefetch_impl(tensors[i + kAhead]);
+    if (i + kAhead / 2 < tensors.size()) prefetch_storage(tensors[i + kAhead / 2]);
+    const auto& tensor = tensors[i];
     if (!fits(tensor, entries[i], where)) {
       fail(ErrorCode::ManifestMismatch, "the tensor for entry ", Quoted{entries[i].name},
            " no longer fits the layout (", entries[i].dtype, ' ', text::Dims{entries[i].shape},
@@ -386,7 +378,7 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
       // copy_ lays out any strides row-major (and resolves lazy negation), straight into
       // shared memory.
       at::NoGradGuard no_grad;
-      view_of(entries[i], spans[i], nullptr, device).copy_(tensors[i]->detach());
+      view_of(entries[i], spans[i], nullptr, device).copy_(tensors[i].detach());
     }
   }
   // This is a publish: its copying is part of the handover, as publish() stamps it.

@@ -71,12 +71,6 @@ BucketBuilder layout_of(const NamedTensors& tensors, std::uint64_t version = 0,
 bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
                       std::span<const at::Tensor> tensors, std::chrono::milliseconds timeout,
                       CudaStream stream = nullptr);
-// The same, for tensors the caller keeps alive elsewhere until it returns: no tensor is copied,
-// so no reference count moves (in torch 2.x each such move of a tensor that has a Python object
-// goes through the interpreter).
-bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
-                      std::span<const at::Tensor* const> tensors, std::chrono::milliseconds timeout,
-                      CudaStream stream = nullptr);
 // Whether `tensor` can travel as `entry` of a kept layout: same dtype and shape, on `where`,
 // and nothing layout_of() would refuse. Cheap enough to ask of every tensor on every step.
 bool fits(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation where = {}) noexcept;

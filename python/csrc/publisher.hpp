@@ -65,13 +65,12 @@ class PyPublisher {
       }
     }
     staged_.clear();
-    staged_owners_.clear();
     Kept fresh;
     auto named = to_named(tensors, &fresh.keys);
     fresh.builder =
         torch_bridge::layout_of(named, version, bucket_index, bucket_count, group_list, publisher_.location());
     fresh.groups = std::move(group_list);
-    for (const auto& [name, tensor] : named) staged_.push_back(&tensor);  // `named` lives through the publish
+    for (auto& [name, tensor] : named) staged_.push_back(std::move(tensor));
     kept_ = std::move(fresh);
     publish_staged(version, bucket_index, bucket_count, deadline);
   }
@@ -147,19 +146,13 @@ class PyPublisher {
   // Fills staged_ when `tensors` hold tensors under the kept layout's names, in its order.
   bool stage_kept(const py::handle& tensors) {
     staged_.clear();
-    staged_owners_.clear();
     const auto& entries = kept_->builder.manifest().entries;
     std::size_t i = 0;
     bool named_alike = true;
     for_each_item(tensors, [&](py::handle key, py::handle value) {
       named_alike = named_alike && i < entries.size() &&
                     names(key, kept_->keys[i], entries[i].name) && is_tensor(value);
-      if (named_alike) {
-        // The tensor inside the Python object, which holding the object keeps alive: no copy of
-        // it, whose reference counting goes through the interpreter in torch 2.x.
-        staged_.push_back(&THPVariable_Unpack(value.ptr()));
-        staged_owners_.push_back(py::reinterpret_borrow<py::object>(value));
-      }
+      if (named_alike) staged_.push_back(THPVariable_Unpack(value.ptr()));
       ++i;
     });
     return named_alike && i == entries.size();
@@ -169,19 +162,14 @@ class PyPublisher {
   void publish_staged(std::uint64_t version, std::uint32_t bucket_index,
                       std::uint32_t bucket_count, Deadline deadline) {
     struct Unstage {
-      std::vector<const at::Tensor*>& staged;
-      std::vector<py::object>& owners;
-      ~Unstage() {  // with the GIL: a reference may be the last to its object
-        staged.clear();
-        owners.clear();
-      }
-    } unstage{staged_, staged_owners_};
+      std::vector<at::Tensor>& staged;
+      ~Unstage() { staged.clear(); }  // with the GIL: a tensor may be the last owner of its object
+    } unstage{staged_};
     kept_->builder.version(version).bucket(bucket_index, bucket_count);
     auto stream = current_stream(publisher_.location());
     bool published = wait_until(deadline, [&](auto slice) {
       stop_if_closing("; nothing was published");
-      return torch_bridge::publish_in_place(publisher_, kept_->builder, std::span<const at::Tensor* const>(staged_),
-                                            slice, stream);
+      return torch_bridge::publish_in_place(publisher_, kept_->builder, staged_, slice, stream);
     });
     if (!published) {
       auto waited_for = publisher_.waiting_for();
@@ -195,8 +183,7 @@ class PyPublisher {
   std::atomic<std::uint64_t> published_ = 0;  // publisher_.published(), after each publish
   Publisher publisher_;
   std::optional<Kept> kept_;
-  std::vector<const at::Tensor*> staged_;  // this call's tensors in layout order; reused for capacity
-  std::vector<py::object> staged_owners_;   // the Python objects that hold them, where they came from Python
+  std::vector<at::Tensor> staged_;  // this call's tensors in layout order; reused for capacity
 };
 
 }  // namespace tensorbucket::python
