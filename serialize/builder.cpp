@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -87,6 +88,12 @@ void BucketBuilder::append(std::string name, DType dtype, Shape shape) {
   payload_bytes_ = end;
 }
 
+// Before append(): the source's push_back after it then cannot throw, so an add() that throws
+// adds nothing, and sources_ stays one per entry.
+void BucketBuilder::make_room_for_a_source() {
+  if (sources_.size() == sources_.capacity()) sources_.reserve(std::max<std::size_t>(16, 2 * sources_.capacity()));
+}
+
 std::optional<std::size_t> BucketBuilder::find_entry(std::string_view name) const {
   return detail::find_name(entry_slots_, manifest_.entries, name);
 }
@@ -98,12 +105,14 @@ BucketBuilder& BucketBuilder::add(std::string name, DType dtype, Shape shape,
     fail(ErrorCode::Unmaterialized, "entry ", Quoted{name}, " of ", dtype, ' ', Dims{shape},
          " has no data (an unmaterialized tensor?)");
   }
+  make_room_for_a_source();
   append(std::move(name), dtype, std::move(shape));
   sources_.push_back(static_cast<const std::byte*>(data));
   return *this;
 }
 
 BucketBuilder& BucketBuilder::declare(std::string name, DType dtype, Shape shape) {
+  make_room_for_a_source();
   append(std::move(name), dtype, std::move(shape));
   sources_.push_back(nullptr);
   return *this;

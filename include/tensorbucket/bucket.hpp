@@ -134,6 +134,7 @@ class BucketBuilder {
   void append(std::string name, DType dtype, Shape shape);
   void restamp() noexcept;  // the identity fields into encoded_, when kept
   std::optional<std::size_t> find_entry(std::string_view name) const;  // its position in manifest_.entries
+  void make_room_for_a_source();
 
   Manifest manifest_;
   std::vector<const std::byte*> sources_;  // per entry; null for declare()d entries
