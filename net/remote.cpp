@@ -9,6 +9,8 @@
 
 #include "tensorbucket/error.hpp"
 #include "tensorbucket/net.hpp"
+#include "door.hpp"
+#include "socket.hpp"
 #include "ucx.hpp"
 #include "wire.hpp"
 
@@ -35,8 +37,6 @@ struct RemoteState {
   std::string channel;  // the one served
   ConnectOptions options;
   // Buffers UCX may still use until the worker is gone: declared before it.
-  ProofMessage proof{};  // sent in the handshake
-  std::vector<std::byte> message;
   std::shared_ptr<AlignedBuffer> buffer;  // a payload that came in chunks
   std::shared_ptr<AlignedBuffer> inbox;   // a Bucket message, with its payload when it came whole
   std::array<std::byte, 64> scratch{};    // where a message refused unread goes; never read
@@ -49,7 +49,6 @@ struct RemoteState {
   std::optional<std::pair<std::uint64_t, std::uint64_t>> last;  // (incarnation, sequence) taken
   ManifestCache cache;
   bool broken = false;
-  bool challenged = false;  // the server spoke first: something that speaks tensorbucket answered
 
   RemoteState(std::string_view where, const ConnectOptions& connect, const SocketAddress& peer)
       : address(where), options(connect), worker(interface_towards(peer), peer.storage.ss_family) {}
@@ -64,36 +63,15 @@ struct RemoteState {
     throw Error(ErrorCode::NetworkError, "link to " + address + ": " + why);
   }
 
-  // Throws when the link failed: Unauthorized when the server said why first (it refuses only
-  // a peer that did not prove it holds the token), else NetworkError.
+  // Throws NetworkError when the link failed.
   void check_link() {
-    if (endpoint.failed == UCS_OK) return;
-    std::size_t length = 0;
-    if (auto* found = probe(worker.get(), tag(Kind::Refused), kAllBits, &length)) {
-      message.resize(std::min(length, kMaxRefusalBytes));
-      bool whole = false;
-      try {
-        whole = receive(worker.get(), found, message).done();
-      } catch (const Error&) {
-      }
-      if (length <= kMaxRefusalBytes && whole) refused(message);
-    }
-    if (endpoint.failed == UCS_ERR_REJECTED) {  // the server's listener turned the connection away
-      lost("the server turned the connection away: it serves its max_peers already, or too many "
-           "connections are still proving the token");
-    }
-    if (!challenged) {  // nobody spoke: a closed port, a host that does not answer, a wrong address
-      lost(std::string("no server answered (nothing listens there, or the host is unreachable): ") +
-           ucs_status_string(endpoint.failed));
-    }
-    lost(std::string("failed: ") + ucs_status_string(endpoint.failed));
+    if (endpoint.failed != UCS_OK) lost(std::string("failed: ") + ucs_status_string(endpoint.failed));
   }
 
-  // A Refused message: Unauthorized for a wrong token (trying again will not help), else
-  // NetworkError (the server was full, or this side too slow).
+  // A refusal at the front door: Unauthorized for a wrong token (trying again will not help),
+  // else NetworkError (the server was full, or this side too slow).
   [[noreturn]] void refused(std::span<const std::byte> message) {
     broken = true;
-    detail::close(worker, endpoint, kCloseLimit);
     std::string why = message.size() > 1 ? std::string(reinterpret_cast<const char*>(message.data()) + 1, message.size() - 1)
                                          : "no reason given";
     bool wrong_token = !message.empty() && message[0] == static_cast<std::byte>(Refusal::WrongToken);
@@ -186,17 +164,10 @@ struct RemoteState {
     }
     if (auto oldest = oldest_tag(worker.get())) {
       auto kind = static_cast<Kind>(*oldest >> 56);
-      if (kind != Kind::Bucket && kind != Kind::Payload && kind != Kind::PayloadHash && kind != Kind::Heartbeat &&
-          kind != Kind::Refused) {
+      if (kind != Kind::Bucket && kind != Kind::Payload && kind != Kind::PayloadHash && kind != Kind::Heartbeat) {
         lost("a message of kind " + std::to_string(static_cast<int>(kind)) + ", which a server does not send now");
       }
     }
-  }
-
-  void refused_or_silent() {
-    std::vector<std::byte> why;
-    if (take(Kind::Refused, why, kMaxRefusalBytes, Clock::now())) refused(why);
-    silent_too_long();
   }
 
   void silent_too_long() {
@@ -205,45 +176,33 @@ struct RemoteState {
     }
   }
 
-  // The handshake's next message, which must be `kind`: whoever answers at the address needs no
-  // token to send here. So the oldest message waiting is looked at after every short wait (a
-  // few single progress calls): a refusal is taken, anything else drops the link, as does a
-  // message that did not come whole at once (by rendezvous, which no honest server uses for
-  // these: they are a few hundred bytes). Nothing piles up.
-  std::vector<std::byte> handshake_message(Kind kind, std::size_t size, Clock::time_point until,
-                                           std::string_view name) {
-    for (;;) {
-      check_link();
-      if (auto oldest = oldest_tag(worker.get())) {
-        auto found_kind = static_cast<Kind>(*oldest >> 56);
-        if (found_kind != kind && found_kind != Kind::Refused) {
-          lost("a message of kind " + std::to_string(static_cast<int>(found_kind)) + " where a " +
-               std::string(name) + " was due");
-        }
-        std::size_t length = 0;
-        auto* found = probe(worker.get(), tag(found_kind), kKindMask, &length);  // the oldest one
-        if (found == nullptr) lost("a message that vanished from the queue");
-        std::size_t most = found_kind == Kind::Refused ? kMaxRefusalBytes : size;
-        if (length > most || (found_kind == kind && length != size)) {
-          discard(found);
-          lost("a malformed " + std::string(found_kind == Kind::Refused ? "refusal" : name));
-        }
-        message.resize(length);  // a member: UCX may still write there if it did not come whole
-        if (!receive(worker.get(), found, message).done()) lost("a " + std::string(name) + " not whole at once");
-        if (found_kind == Kind::Refused) refused(message);
-        last_heard = Clock::now();
-        return message;
-      }
-      if (Clock::now() >= until) lost("no " + std::string(name) + " in time");
-      silent_too_long();
-      worker.wait(std::chrono::microseconds(100));
+  // One message at the front door by `until`: `kind`, of `least` to `most` bytes, or a refusal
+  // (which throws).
+  std::span<const std::byte> door_message_in(const Socket& link, DoorReader& reader, DoorKind kind,
+                                             std::string_view name, std::size_t least, std::size_t most,
+                                             Clock::time_point until) {
+    reader.expect(kind, name, least, most, true);
+    try {
+      read_message(link, reader, until);
+    } catch (const Error& e) {
+      lost(e.what());
     }
+    if (reader.kind() == DoorKind::Refused) refused(reader.body());
+    return reader.body();
   }
 
-  void handshake(Clock::time_point until, std::string_view token) {
-    worker.set_progress_calls(1);  // handshake_message() looks at the queue after each
-    auto bytes = handshake_message(Kind::Challenge, sizeof(Challenge), until, "challenge");
-    challenged = true;
+  // The front door (door.hpp), by `until`: serve's challenge, this side's proof, serve's
+  // welcome (its proof and the channel's name, both checked) and worker address, this side's;
+  // then the UCX endpoint, and the first message on it, serve's heartbeat.
+  void handshake(const SocketAddress& where, Clock::time_point until, std::string_view token) {
+    Socket link;
+    try {
+      link = connect_to(where, until);
+    } catch (const Error& e) {
+      lost(e.what());
+    }
+    DoorReader reader;
+    auto bytes = door_message_in(link, reader, DoorKind::Challenge, "challenge", sizeof(Challenge), sizeof(Challenge), until);
     Challenge challenge{};
     std::memcpy(&challenge, bytes.data(), sizeof challenge);
     if (challenge.magic != kMagic) lost("not a tensorbucket server");
@@ -252,29 +211,51 @@ struct RemoteState {
            std::to_string(kProtocolVersion));
     }
     key = challenge.key;
-    proof = {kMagic, kProtocolVersion, 0, client_proof(token, challenge.nonce, key), {}};
+    ProofMessage proof{kMagic, kProtocolVersion, 0, client_proof(token, challenge.nonce, key), {}};
     random_bytes(proof.nonce.data(), proof.nonce.size());
-    // Not waited for until a true welcome came, since such a wait does not look at the queue;
-    // a server that answers has it.
-    auto sending = send(worker.get(), endpoint.ep, std::as_bytes(std::span(&proof, 1)), tag(Kind::Proof, key));
-    bytes = handshake_message(Kind::Welcome, sizeof(Welcome), until, "welcome");
-    worker.set_progress_calls(Worker::kProgressCalls);
+    try {
+      send_all(link, door_message(DoorKind::Proof, proof), until);
+    } catch (const Error& e) {
+      lost(e.what());
+    }
+    bytes = door_message_in(link, reader, DoorKind::Welcome, "welcome", sizeof(Welcome), sizeof(Welcome), until);
     Welcome welcome{};
     std::memcpy(&welcome, bytes.data(), sizeof welcome);
     if (!same_digest(welcome.proof, server_proof(token, proof.nonce, key))) {
       broken = true;
-      detail::close(worker, endpoint, kCloseLimit);
       throw Error(ErrorCode::Unauthorized, address + " did not prove it holds the token");
     }
-    wait_for(sending, until);
     std::string_view served(welcome.channel.data(), std::min<std::size_t>(welcome.channel_bytes, welcome.channel.size()));
     if (!options.channel.empty() && served != options.channel) {
       broken = true;
-      detail::close(worker, endpoint, kCloseLimit);
       throw Error(ErrorCode::ChannelMissing, address + " serves channel '" + std::string(served) + "', not '" +
                                                  options.channel + "'");
     }
     channel = served;
+    bytes = door_message_in(link, reader, DoorKind::Address, "worker address", 1, kMaxWorkerAddress, until);
+    try {
+      send_all(link, door_message(DoorKind::Address, worker.address()), until);
+      detail::connect(worker.get(), endpoint, bytes);
+    } catch (const Error& e) {
+      lost(e.what());
+    }
+    // serve closes the front door once it made its endpoint, or refuses there when it could not.
+    reader.expect(DoorKind::Refused, "refusal", 1, kMaxRefusalBytes, false);
+    bool door_open = true;
+    while (!oldest_tag(worker.get())) {
+      check_link();
+      try {
+        door_open = door_open && read_available(link, reader);
+      } catch (const Error&) {
+        door_open = false;  // a reset, or bytes that are no refusal: only UCX's link counts now
+      }
+      if (reader.done()) refused(reader.body());
+      if (Clock::now() >= until) {
+        lost("the server let this side in, but nothing came over UCX in time: are UCX's own ports between "
+             "the hosts closed (a firewall)?");
+      }
+      worker.wait(std::chrono::microseconds(1000));
+    }
     last_heard = Clock::now();
   }
 
@@ -361,7 +342,7 @@ struct RemoteState {
                [&](std::size_t length) { return received = inbox_room(length); })) {
         break;
       }
-      refused_or_silent();
+      silent_too_long();
       if (Clock::now() >= until) return std::nullopt;
     }
     BucketAnnounce announce{};
@@ -436,7 +417,7 @@ struct RemoteState {
       std::vector<std::byte> hash_message;
       while (!take(Kind::PayloadHash, hash_message, sizeof sent_hash, Clock::now() + 50ms)) {
         skip_heartbeats();
-        refused_or_silent();
+        silent_too_long();
         if (Clock::now() > hash_due) {
           lost("no payload hash within " + std::to_string((options.idle_timeout + allowance).count()) +
                " ms of the payload");
@@ -486,8 +467,7 @@ RemoteSubscriber RemoteSubscriber::connect(std::string_view address, const Conne
   auto until = detail::Clock::now() + timeout;
   auto where = detail::parse_address(address, false, timeout);
   auto state = std::make_unique<detail::RemoteState>(address, options, where);
-  detail::connect(state->worker.get(), state->endpoint, where);
-  state->handshake(until, options.token);
+  state->handshake(where, until, options.token);
   return RemoteSubscriber(std::move(state));
 }
 

@@ -5,18 +5,24 @@
 #include <cstdlib>
 #include <cstring>
 #include <array>
+#include <cerrno>
 #include <future>
+#include <iterator>
 #include <list>
 #include <memory>
 #include <optional>
 #include <system_error>
 #include <vector>
 
+#include <fcntl.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "tensorbucket/channel.hpp"
 #include "tensorbucket/error.hpp"
 #include "tensorbucket/net.hpp"
+#include "door.hpp"
+#include "socket.hpp"
 #include "ucx.hpp"
 #include "wire.hpp"
 
@@ -26,16 +32,42 @@ namespace {
 
 using namespace std::chrono_literals;
 
-constexpr auto kProofTimeout = 3s;       // to send its proof after connecting
-constexpr std::size_t kMaxPending = 8;   // connections that have not proved the token yet
+constexpr auto kProofTimeout = 3s;       // at the front door: to prove the token and send its address
+constexpr std::size_t kMaxPending = 8;   // connections at the front door
+constexpr int kAcceptsPerTurn = 64;      // connections taken off the listening socket per look
 constexpr auto kHeartbeatEvery = 500ms;  // to an idle peer, so that it can tell a dead link
 constexpr auto kCloseLimit = 1s;
-constexpr auto kRefusalGrace = 1s;       // for a refusal to reach its peer before the link closes
+constexpr auto kRefusalGrace = 1s;       // for a refusal to reach its peer before the connection closes
 constexpr auto kLocalSlice = 1ms;        // a wait on the local channel, between network looks
 constexpr double kSlowestBytesPerMs = 10e3;  // a bucket's payload may take its size at 10 MB/s
 // A relay turned away retries every 2 s, and anyone who can reach the port can connect: one
-// line per this long, with a count of the ones it passed over, keeps the log readable.
+// line per this long, with a count of the ones it passed over, keeps the log readable. So for
+// refusals at the front door, which any connection can provoke.
 constexpr auto kTurnedAwayLogEvery = 30s;
+constexpr auto kRefusedLogEvery = 1s;
+
+// A line that anyone who can connect can provoke: one per `every` at most, with a count of the
+// ones passed over since.
+class QuietLog {
+ public:
+  explicit QuietLog(std::chrono::milliseconds every) : every_(every) {}
+  // The line to log now (with the count), or nothing.
+  std::optional<std::string> line(const std::string& text) {
+    auto now = Clock::now();
+    if (logged_ != Clock::time_point{} && now - logged_ < every_) {
+      ++passed_over_;
+      return std::nullopt;
+    }
+    logged_ = now;
+    auto more = std::exchange(passed_over_, 0);
+    return more == 0 ? text : text + " (and " + std::to_string(more) + " more since the last such line)";
+  }
+
+ private:
+  std::chrono::milliseconds every_;
+  Clock::time_point logged_{};
+  std::size_t passed_over_ = 0;
+};
 
 // A small message under way and the bytes it sends: a list entry, so the bytes never move.
 struct Small {
@@ -50,14 +82,22 @@ struct Lingering {
   Request request;
 };
 
+// A connection at the front door (door.hpp): proving the token, or being told why not.
+struct Door {
+  Socket link;
+  ServerDoor door;
+  std::string from;
+  Clock::time_point due;  // through the door by then; once refused, closed by then
+  bool refused = false;
+  bool shut = false;      // refused, told so, and this side of the connection shut
+};
+
+// A relay that came through the front door.
 struct Peer {
   Endpoint endpoint;  // its address is the error handler's argument: a Peer never moves
   std::string from;
   std::uint64_t key = 0;
-  Nonce nonce{};
-  bool authenticated = false;
   bool joined = false;  // has had the first bucket of an update
-  Clock::time_point since = Clock::now();
   Clock::time_point last_sent = Clock::now();
   std::uint64_t sent = 0, acked = 0;  // bucket ordinals
   Clock::time_point stalled_since{};  // when its window filled while a bucket waited
@@ -65,10 +105,9 @@ struct Peer {
   std::vector<Request> bucket_sends;  // the current bucket's messages under way
   bool taking = false;                // takes the current bucket: its chunks and hash follow
   std::uint64_t posted = 0;           // bytes of the current payload sent to it so far
-  std::list<Small> small;             // challenge, welcome, refusal, heartbeats
+  std::list<Small> small;             // heartbeats
   std::string problem;                // set: drop it
   bool transfer_failed = false;       // the problem is a UCX transfer's error
-  Clock::time_point close_by{};       // refused: closed once told, or at this time
 
   bool live() const { return problem.empty(); }
   void fail_transfer(const Error& e) {
@@ -76,7 +115,6 @@ struct Peer {
     problem = e.what();
     transfer_failed = true;
   }
-  bool serving() const { return authenticated && live(); }
 };
 
 // The payload hash of a bucket that goes in chunks, computed on a thread of its own while the
@@ -132,15 +170,14 @@ class PayloadHash {
   std::optional<std::uint64_t> value_;
 };
 
-// Finished requests leave; false while any is under way. A failed one fails the peer.
-bool settle(Peer& peer) {
+// Finished requests leave. A failed one fails the peer.
+void settle(Peer& peer) {
   try {
     std::erase_if(peer.bucket_sends, [](Request& request) { return request.done(); });
     peer.small.remove_if([](Small& small) { return small.request.done(); });
   } catch (const Error& e) {
     peer.fail_transfer(e);
   }
-  return peer.bucket_sends.empty() && peer.small.empty();
 }
 
 }  // namespace
@@ -158,11 +195,14 @@ struct ServerState {
   std::list<Lingering> lingering;                        // receives hear() gave up on
   Worker worker;
   Pace pace{worker};  // between progress calls while a bucket is under way
-  ucp_listener_h listener = nullptr;
-  std::vector<ucp_conn_request_h> incoming;  // filled by the listener's callback
-  std::list<Peer> peers;                     // a list: peers keep their addresses
-  Clock::time_point turned_away_logged{};    // the last "turned ... away" line
-  std::size_t turned_away_quietly = 0;       // connections turned away since, unlogged
+  Socket listening;                      // the front door
+  Socket spare{::open("/dev/null", O_RDONLY | O_CLOEXEC)};  // a descriptor to free when out of them
+  std::vector<std::byte> worker_address;  // sent to each relay let in
+  std::list<Door> doors;
+  Clock::time_point doors_looked_at{};
+  std::list<Peer> peers;                  // a list: peers keep their addresses
+  QuietLog turned_away{kTurnedAwayLogEvery};
+  QuietLog refused{kRefusedLogEvery};
   std::optional<ReceivedBucket> current;  // being sent; its lease held until every send is done
   std::span<const std::byte> payload;      // its payload, on the host
   std::span<const std::byte> on_wire;      // what is sent of it: the same bytes (but in a test build)
@@ -173,9 +213,14 @@ struct ServerState {
   std::string address;
   pid_t pid = ::getpid();  // the serving process; a forked child inherits this, not the role
 
-  ServerState(Subscriber sub, const ServeOptions& serve, const SocketAddress& listen)
-      : options(serve), subscriber(std::move(sub)), worker(interface_holding(listen), listen.storage.ss_family) {
+  ServerState(Subscriber sub, const ServeOptions& serve, const SocketAddress& listen, Socket front_door)
+      : options(serve),
+        subscriber(std::move(sub)),
+        worker(interface_holding(listen), listen.storage.ss_family),
+        listening(std::move(front_door)),
+        worker_address(worker.address()) {
     worker.set_progress_calls(1);  // turn() hears after each
+    address = to_string(local_address(listening));
   }
   ~ServerState() {
     for (auto& peer : peers) detail::close(worker, peer.endpoint, kCloseLimit);
@@ -183,10 +228,6 @@ struct ServerState {
     for (auto& receive : lingering) receive.request.cancel();  // while the worker lives; the bytes go after it
     payload_hash.stop();
     current.reset();  // after the peers and the hash: they read its slot
-    if (listener != nullptr) {
-      for (auto* request : incoming) ucp_listener_reject(listener, request);
-      ucp_listener_destroy(listener);
-    }
   }
 
   void log(const std::string& line) const { std::fprintf(stderr, "tbucket serve: %s\n", line.c_str()); }
@@ -202,82 +243,166 @@ struct ServerState {
     }
   }
 
-  void admit() {
-    for (auto* request : std::exchange(incoming, {})) {
-      ucp_conn_request_attr_t attr{};
-      attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
-      std::string from = ucp_conn_request_query(request, &attr) == UCS_OK ? to_string(attr.client_address) : "?";
-      std::size_t serving = 0, pending = 0;
-      for (const auto& peer : peers) (peer.authenticated ? serving : pending) += 1;
-      if (serving >= options.max_peers || pending >= kMaxPending) {
-        ucp_listener_reject(listener, request);
-        auto now = Clock::now();
-        if (turned_away_logged != Clock::time_point{} && now - turned_away_logged < kTurnedAwayLogEvery) {
-          ++turned_away_quietly;
+  // New connections at the front door, kMaxPending at most at once, besides max_peers relays:
+  // the others are told why and closed at once, so that connections that never send hold no
+  // descriptors here.
+  void open_doors() {
+    if (!spare) spare = Socket(::open("/dev/null", O_RDONLY | O_CLOEXEC));  // lost to a race for the last one
+    for (int taken = 0; taken < kAcceptsPerTurn; ++taken) {
+      sockaddr_storage from_address{};
+      socklen_t length = sizeof from_address;
+      Socket link(::accept4(listening.get(), reinterpret_cast<sockaddr*>(&from_address), &length,
+                            SOCK_NONBLOCK | SOCK_CLOEXEC));
+      if (!link) {
+        int error = errno;
+        if (error == ECONNABORTED || error == EINTR) continue;  // gone before it was taken
+        if (error == EAGAIN || error == EWOULDBLOCK) return;
+        if ((error == EMFILE || error == ENFILE) && spare) {
+          turn_away_with_the_spare();
           continue;
         }
-        auto more = std::exchange(turned_away_quietly, 0);
-        turned_away_logged = now;
-        log("turned " + from + " away: " +
-            (pending >= kMaxPending ? std::to_string(kMaxPending) + " connections proving the token already"
-                                    : "max_peers (" + std::to_string(options.max_peers) + ") reached") +
-            (more == 0 ? "" : " (and " + std::to_string(more) + " more since the last such line)"));
+        // Out of memory, or of descriptors with no spare: the connection waits in the
+        // listening queue, and the next look tries again.
+        if (auto line = turned_away.line(std::string("cannot take a connection: ") + std::strerror(error))) log(*line);
+        return;
+      }
+      auto from = to_string(from_address);
+      std::string full = doors.size() >= kMaxPending
+                             ? std::to_string(kMaxPending) + " connections proving the token already"
+                         : peers.size() >= options.max_peers ? "max_peers (" + std::to_string(options.max_peers) + ") reached"
+                                                             : "";
+      if (!full.empty()) {
+        turn_away(link, from, full);
         continue;
       }
-      auto& peer = peers.emplace_back();
-      peer.from = from;
-      try {
-        accept(worker.get(), peer.endpoint, request);
-        random_bytes(&peer.key, sizeof peer.key);
-        peer.key = (peer.key & kKeyMask) | 1;
-        random_bytes(peer.nonce.data(), peer.nonce.size());
-        Challenge challenge{kMagic, kProtocolVersion, 0, peer.key, peer.nonce};
-        send_small(peer, Kind::Challenge, &challenge, sizeof challenge);
-      } catch (const Error& e) {
-        peer.problem = e.what();
+      std::uint64_t key = 0;
+      random_bytes(&key, sizeof key);
+      doors.push_back({std::move(link), ServerDoor(options.token, (key & kKeyMask) | 1), from, Clock::now() + kProofTimeout});
+    }
+  }
+
+  // A connection told why it is not taken, and left to close with its Socket. A fresh
+  // connection's send buffer takes these few bytes: nothing is waited for.
+  void turn_away(const Socket& link, const std::string& from, const std::string& why) {
+    auto refusal = refusal_message(Refusal::Other, why);
+    static_cast<void>(::send(link.get(), refusal.data(), refusal.size(), MSG_NOSIGNAL | MSG_DONTWAIT));
+    if (auto line = turned_away.line("turned " + from + " away: " + why)) log(*line);
+  }
+
+  // Out of descriptors: the spare one is let go of to take the next connection and close it at
+  // once, so that the listening queue drains instead of holding relays behind connections
+  // that cannot be served until a descriptor is free.
+  void turn_away_with_the_spare() {
+    spare.reset();
+    sockaddr_storage from_address{};
+    socklen_t length = sizeof from_address;
+    Socket link(::accept4(listening.get(), reinterpret_cast<sockaddr*>(&from_address), &length, SOCK_CLOEXEC));
+    if (link) turn_away(link, to_string(from_address), "out of descriptors");
+    link.reset();
+    spare = Socket(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  }
+
+  // Every connection at the front door moves as far as its bytes let it; those done with are
+  // closed. Each reads only what its next message may hold, and has kProofTimeout in all.
+  void tend_doors() {
+    auto now = Clock::now();
+    for (auto it = doors.begin(); it != doors.end();) {
+      it = tend(*it, now) ? std::next(it) : doors.erase(it);
+    }
+  }
+
+  // Relays served, and those welcomed at the front door that are still sending their address:
+  // max_peers counts both.
+  std::size_t peers_and_coming() const {
+    return peers.size() + static_cast<std::size_t>(std::count_if(doors.begin(), doors.end(), [](const Door& entry) {
+             return entry.door.state() == ServerDoor::State::Addressing;
+           }));
+  }
+
+  // False once the connection is done with: let in, refused and closed, or gone. A connection
+  // has kProofTimeout from its start to its end, the refusal's grace included.
+  bool tend(Door& entry, Clock::time_point now) {
+    auto& door = entry.door;
+    int fd = entry.link.get();
+    for (auto room = door.room(); !room.empty(); room = door.room()) {
+      auto got = ::recv(fd, room.data(), room.size(), 0);
+      if (got > 0) {
+        door.got(static_cast<std::size_t>(got));
+        continue;
+      }
+      if (got == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return false;  // it left
+      break;
+    }
+    if (door.state() == ServerDoor::State::Proved) {
+      // Counted here, not at the connection: several may prove the token at once.
+      if (peers_and_coming() >= options.max_peers) {
+        door.refuse(Refusal::Other, "max_peers (" + std::to_string(options.max_peers) + ") reached");
+      } else {
+        door.welcome(subscriber.channel(), worker_address);
       }
     }
+    if (door.state() == ServerDoor::State::Done) {
+      let_in(entry);
+      if (door.state() != ServerDoor::State::Closing) return false;
+    } else if (door.state() != ServerDoor::State::Closing && now >= entry.due) {
+      door.refuse(Refusal::Other, "no proof of the token within " + std::to_string(kProofTimeout.count()) + " s");
+    }
+    while (!door.output().empty()) {
+      auto out = door.output();
+      auto sent = ::send(fd, out.data(), out.size(), MSG_NOSIGNAL);
+      if (sent > 0) {
+        door.sent(static_cast<std::size_t>(sent));
+        continue;
+      }
+      if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) break;
+      return false;
+    }
+    if (door.state() != ServerDoor::State::Closing) return true;
+    if (!entry.refused) {
+      entry.refused = true;
+      entry.due = std::min(entry.due, now + kRefusalGrace);
+      if (auto line = refused.line("refused " + entry.from + ": " + door.why())) log(*line);
+    }
+    if (!entry.shut && door.output().empty()) {
+      // Told: a relay reads the refusal, then the end of the connection. What it still sends
+      // is read and thrown away until it closes, kRefusalGrace at most.
+      ::shutdown(fd, SHUT_WR);
+      entry.shut = true;
+    }
+    if (entry.shut) {
+      std::array<std::byte, 512> scratch;
+      auto got = ::recv(fd, scratch.data(), scratch.size(), 0);
+      if (got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return false;
+    }
+    return now < entry.due;
   }
 
-  void refuse(Peer& peer, Refusal reason, const std::string& why) {
-    log("refused " + peer.from + ": " + why);
-    std::vector<std::byte> message(1 + std::min(why.size(), kMaxRefusalBytes - 1));
-    message[0] = static_cast<std::byte>(reason);
-    std::memcpy(message.data() + 1, why.data(), message.size() - 1);
-    send_small(peer, Kind::Refused, message.data(), message.size());
-    peer.problem = why;
-    peer.close_by = Clock::now() + kRefusalGrace;
-  }
-
-  void welcome(Peer& peer, const ProofMessage& proof) {
-    if (proof.magic != kMagic || proof.version != kProtocolVersion) {
-      return refuse(peer, Refusal::Other, "protocol version " + std::to_string(proof.version) + ", not " +
-                                              std::to_string(kProtocolVersion));
+  // A relay through the front door: its UCX endpoint, and a heartbeat on it at once, the
+  // first message of every link, which tells the relay that UCX reaches it. Refused at the
+  // door when UCX cannot make the endpoint.
+  void let_in(Door& entry) {
+    auto& peer = peers.emplace_back();
+    peer.from = entry.from;
+    peer.key = entry.door.key();
+    try {
+      connect(worker.get(), peer.endpoint, entry.door.peer_address());
+    } catch (const Error& e) {
+      peers.pop_back();  // no endpoint: nothing under way
+      entry.door.refuse(Refusal::Other, std::string("its UCX worker cannot be reached: ") + e.what());
+      return;
     }
-    if (!same_digest(proof.proof, client_proof(options.token, peer.nonce, peer.key))) {
-      return refuse(peer, Refusal::WrongToken, "wrong token");
-    }
-    // Checked again here: connections admitted together may all prove the token.
-    auto serving = std::count_if(peers.begin(), peers.end(), [](const Peer& other) { return other.authenticated; });
-    if (static_cast<std::size_t>(serving) >= options.max_peers) {
-      return refuse(peer, Refusal::Other, "max_peers (" + std::to_string(options.max_peers) + ") reached");
-    }
-    Welcome welcome{server_proof(options.token, proof.nonce, peer.key), 0, {}};
-    const auto& name = subscriber.channel();
-    welcome.channel_bytes = static_cast<std::uint32_t>(std::min(name.size(), welcome.channel.size()));
-    std::memcpy(welcome.channel.data(), name.data(), welcome.channel_bytes);
-    send_small(peer, Kind::Welcome, &welcome, sizeof welcome);
-    peer.authenticated = true;
+    std::uint64_t beat = 0;
+    send_small(peer, Kind::Heartbeat, &beat, sizeof beat);
     peer.last_sent = Clock::now();
     log("serving " + peer.from + " from the next update");
   }
 
-  // Every message peers sent: proofs and acknowledgements, each the exact size, from the peer
-  // whose key it carries. Anything else is taken off the queue (so that nothing piles up in
-  // it) and fails the peer whose key it carries. A message not here whole at once came by
-  // rendezvous, which no honest peer uses for these: its sender is failed too. All of the
-  // queue, after every progress call: a flood of messages no peer's key names, which anyone
-  // who can connect can send, must not hold back the acknowledgements behind it, nor pile up.
+  // Every message peers sent: acknowledgements, each the exact size, from the peer whose key it
+  // carries. Anything else is taken off the queue (so that nothing piles up in it) and fails
+  // the peer whose key it carries. A message not here whole at once came by rendezvous, which
+  // no honest peer uses for these: its sender is failed too. All of the queue, after every
+  // progress call: a peer that floods (it holds the token: only such a peer reaches UCX) must
+  // not hold back the other peers' acknowledgements behind it, nor pile up.
   void hear() {
     std::erase_if(lingering, [](const Lingering& receive) { return receive.request.ended(); });
     for (;;) {
@@ -290,11 +415,8 @@ struct ServerState {
       for (auto& candidate : peers) {
         if (candidate.key == (sender_tag & kKeyMask) && candidate.live()) peer = &candidate;
       }
-      std::size_t expected = !peer                                            ? 0
-                             : kind == Kind::Proof && !peer->authenticated ? sizeof(ProofMessage)
-                             : kind == Kind::Ack && peer->authenticated    ? sizeof(Ack)
-                                                                           : 0;
-      bool wanted = expected != 0 && length == expected;
+      constexpr std::size_t expected = sizeof(Ack);
+      bool wanted = peer != nullptr && kind == Kind::Ack && length == expected;
       auto into = wanted ? std::make_unique<std::byte[]>(expected) : nullptr;
       bool whole = false;
       Request receiving;
@@ -312,24 +434,17 @@ struct ServerState {
                         ", " + std::to_string(length) + " bytes)";
         continue;
       }
-      if (kind == Kind::Proof) {
-        ProofMessage proof{};
-        std::memcpy(&proof, into.get(), sizeof proof);
-        welcome(*peer, proof);
+      Ack ack{};
+      std::memcpy(&ack, into.get(), sizeof ack);
+      if (ack.ordinal > peer->sent || ack.ordinal < peer->acked) {
+        peer->problem = "acknowledged bucket " + std::to_string(ack.ordinal) + " of " + std::to_string(peer->sent);
       } else {
-        Ack ack{};
-        std::memcpy(&ack, into.get(), sizeof ack);
-        if (ack.ordinal > peer->sent || ack.ordinal < peer->acked) {
-          peer->problem = "acknowledged bucket " + std::to_string(ack.ordinal) + " of " + std::to_string(peer->sent);
-        } else {
-          peer->acked = ack.ordinal;
-        }
+        peer->acked = ack.ordinal;
       }
     }
   }
 
   void drop_failed() {
-    auto now = Clock::now();
     for (auto it = peers.begin(); it != peers.end();) {
       auto& peer = *it;
       // A transfer under way fails with the link, and says less than the link's end does.
@@ -337,15 +452,11 @@ struct ServerState {
         peer.problem = std::string("the link ended (") + ucs_status_string(peer.endpoint.failed) +
                        "): the relay left, or its host or the network failed";
       }
-      if (!peer.authenticated && peer.live() && now - peer.since > kProofTimeout) {
-        refuse(peer, Refusal::Other, "no proof of the token within " + std::to_string(kProofTimeout.count()) + " s");
-      }
-      bool refused = peer.close_by != Clock::time_point{};
-      if (peer.live() || (refused && !settle(peer) && now < peer.close_by && peer.endpoint.failed == UCS_OK)) {
+      if (peer.live()) {
         ++it;
         continue;
       }
-      if (peer.authenticated) log("dropped " + peer.from + ": " + peer.problem);
+      log("dropped " + peer.from + ": " + peer.problem);
       // By force: whatever is still under way on it ends here, before its buffers go.
       detail::close(worker, peer.endpoint, kCloseLimit);
       it = peers.erase(it);
@@ -403,7 +514,7 @@ struct ServerState {
     }
     bool any = false;
     for (auto& peer : peers) {
-      if (!peer.serving() || (!peer.joined && view.bucket_index() != 0)) continue;
+      if (!peer.live() || (!peer.joined && view.bucket_index() != 0)) continue;
       peer.joined = true;
       announce.ordinal = ++peer.sent;
       peer.announce.resize(message_bytes);
@@ -474,7 +585,7 @@ struct ServerState {
     for (auto& peer : peers) {
       // Not while the last small message is still queued: a peer that stopped reading would
       // otherwise gather two a second for as long as the channel is idle.
-      if (peer.serving() && peer.bucket_sends.empty() && peer.small.empty() && now - peer.last_sent > kHeartbeatEvery) {
+      if (peer.live() && peer.bucket_sends.empty() && peer.small.empty() && now - peer.last_sent > kHeartbeatEvery) {
         std::uint64_t beat = 0;
         send_small(peer, Kind::Heartbeat, &beat, sizeof beat);
         peer.last_sent = now;
@@ -492,7 +603,12 @@ struct ServerState {
       moved = true;
       hear();
     }
-    admit();
+    // The front door, once per kLocalSlice: a transfer's turns come back to back.
+    if (auto looked = Clock::now(); looked - doors_looked_at >= kLocalSlice) {
+      doors_looked_at = looked;
+      open_doors();
+      tend_doors();
+    }
     hear();
     for (auto& peer : peers) settle(peer);
     if (current) send_chunks();
@@ -521,7 +637,7 @@ struct ServerState {
     // back, peer_timeout at most.
     bool any_peer = false, all_room = true;
     for (auto& peer : peers) {
-      if (!peer.serving()) continue;
+      if (!peer.live()) continue;
       any_peer = true;
       if (has_room(peer)) {
         peer.stalled_since = {};
@@ -560,13 +676,6 @@ struct ServerState {
   }
 };
 
-namespace {
-
-void on_connection(ucp_conn_request_h request, void* arg) {
-  static_cast<ServerState*>(arg)->incoming.push_back(request);
-}
-
-}  // namespace
 }  // namespace detail
 
 Server Server::start(std::string_view channel, const ServeOptions& options, std::chrono::milliseconds attach_timeout) {
@@ -582,25 +691,9 @@ Server Server::start(std::string_view channel, const ServeOptions& options, std:
                                                 std::to_string(options.max_peers));
   }
   auto address = detail::parse_address(options.listen, true);
-  detail::check_listenable(address);
+  auto front_door = detail::listen_on(address);  // before the channel is waited for: a bad address fails at once
   auto subscriber = Subscriber::attach(channel, attach_timeout, {.follow_restarts = true});
-  auto state = std::make_unique<detail::ServerState>(std::move(subscriber), options, address);
-  ucp_listener_params_t params{};
-  params.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-  params.sockaddr.addr = address.get();
-  params.sockaddr.addrlen = address.length;
-  params.conn_handler.cb = detail::on_connection;
-  params.conn_handler.arg = state.get();
-  if (auto status = ucp_listener_create(state->worker.get(), &params, &state->listener); status != UCS_OK) {
-    detail::fail_ucx("listening on " + options.listen, status);
-  }
-  ucp_listener_attr_t attr{};
-  attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-  if (auto status = ucp_listener_query(state->listener, &attr); status != UCS_OK) {
-    detail::fail_ucx("ucp_listener_query", status);
-  }
-  state->address = detail::to_string(attr.sockaddr);
-  return Server(std::move(state));
+  return Server(std::make_unique<detail::ServerState>(std::move(subscriber), options, address, std::move(front_door)));
 }
 
 Server::Server(std::unique_ptr<detail::ServerState> state) : state_(std::move(state)) {}
@@ -630,9 +723,7 @@ std::string Server::address() const { return state_ ? state_->address : std::str
 
 std::uint32_t Server::peers() const noexcept {
   if (!state_) return 0;
-  std::uint32_t count = 0;
-  for (const auto& peer : state_->peers) count += peer.authenticated ? 1 : 0;
-  return count;
+  return static_cast<std::uint32_t>(state_->peers.size());
 }
 
 std::uint64_t Server::buckets_served() const noexcept { return state_ ? state_->served : 0; }

@@ -13,7 +13,7 @@
 
 #include "tensorbucket/error.hpp"
 #include "tensorbucket/net.hpp"
-#include "wire.hpp"
+#include "door.hpp"
 
 namespace tensorbucket::net {
 

@@ -2,7 +2,6 @@
 // with one worker, driven by one thread; tagged messages only; every wait has a limit.
 #pragma once
 
-#include <sys/socket.h>
 #include <ucp/api/ucp.h>
 
 #include <chrono>
@@ -11,37 +10,14 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
+
+#include "socket.hpp"
 
 namespace tensorbucket::net::detail {
 
-using Clock = std::chrono::steady_clock;
-
 // NetworkError naming the UCX call and its status.
 [[noreturn]] void fail_ucx(std::string_view what, ucs_status_t status);
-
-// "ADDRESS:PORT", or "[ADDRESS]:PORT" for IPv6. A listener takes a numeric address only (never
-// a name that could resolve to every interface); a connect may name a host, which the resolver
-// must answer within `limit` (NetworkError past it: a hung resolver does not hang the caller).
-struct SocketAddress {
-  sockaddr_storage storage{};
-  socklen_t length = 0;
-  std::string text;  // as given, for messages
-  const sockaddr* get() const noexcept { return reinterpret_cast<const sockaddr*>(&storage); }
-};
-SocketAddress parse_address(std::string_view text, bool numeric_only,
-                            std::chrono::milliseconds limit = std::chrono::seconds(5));
-std::string to_string(const sockaddr_storage& address);
-
-// NetworkError naming why `address` cannot be listened on (the port taken, or not an address
-// of this host), found by binding a socket of our own as UCX will, before UCX tries and says
-// only "Device is busy" or "Input/output error".
-void check_listenable(const SocketAddress& address);
-
-// The network interface UCX may use for a link: the one that holds `address`, an address of
-// this host (a listener's); "" for a wildcard address (every interface).
-std::string interface_holding(const SocketAddress& address);
-// The same for the interface this host reaches `peer` through (a connecting side's).
-std::string interface_towards(const SocketAddress& peer);
 
 class Worker {
  public:
@@ -58,6 +34,8 @@ class Worker {
   Worker& operator=(const Worker&) = delete;
 
   ucp_worker_h get() const noexcept { return worker_; }
+  // Where a peer reaches this worker (ucp_ep_create's REMOTE_ADDRESS): sent at the front door.
+  std::vector<std::byte> address() const;
   // Runs UCX's progress until it has nothing more to do, or kProgressCalls times (or as many
   // as set_progress_calls() says): a peer that keeps sending must not keep its caller from its
   // other work or its deadlines. True when it did something.
@@ -138,8 +116,9 @@ struct Endpoint {
   ucp_ep_h ep = nullptr;
   ucs_status_t failed = UCS_OK;  // set from the worker's progress
 };
-void connect(ucp_worker_h worker, Endpoint& endpoint, const SocketAddress& address);
-void accept(ucp_worker_h worker, Endpoint& endpoint, ucp_conn_request_h request);
+// An endpoint to the worker whose address a peer sent at the front door, once it proved the
+// token: UCX unpacks that address without checking it.
+void connect(ucp_worker_h worker, Endpoint& endpoint, std::span<const std::byte> worker_address);
 // Closes the endpoint, waiting `limit` at most for UCX to let go of it: at once (pending
 // operations end with an error), or with `flush` after what was sent has arrived. The
 // Endpoint object must live until this returns.

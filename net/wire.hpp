@@ -1,6 +1,7 @@
-// Internal: the messages between a Server and a RemoteSubscriber (docs/network.md, "Protocol").
-// Each is one tagged UCX message of fixed little-endian layout; the tag's top byte says which,
-// and a peer's messages to the server carry the random key the server gave that connection.
+// Internal: the messages between a Server and a RemoteSubscriber once the front door let the
+// peer in (door.hpp; docs/network.md, "Protocol"). Each is one tagged UCX message of fixed
+// little-endian layout; the tag's top byte says which, and a peer's messages to the server
+// carry the random key the server gave that connection at the front door.
 #pragma once
 
 #include <array>
@@ -11,26 +12,18 @@
 #include <string_view>
 #include <vector>
 
+#include "door.hpp"
 #include "tensorbucket/header.hpp"
 
 #include <ucp/api/ucp.h>
 
 namespace tensorbucket::net::detail {
 
-static_assert(std::endian::native == std::endian::little, "the wire layout is little-endian");
-
-inline constexpr std::uint32_t kProtocolVersion = 2;
-inline constexpr std::array<char, 8> kMagic = {'T', 'B', 'N', 'E', 'T', '\0', '\0', '\0'};
-
 enum class Kind : std::uint8_t {
-  Challenge = 1,  // server → peer: the connection's key and the server's nonce
-  Proof,          // peer → server: its proof and its own nonce
-  Welcome,        // server → peer: the server's proof; buckets follow
-  Refused,        // server → peer: why it closes the link (text)
-  Bucket,         // server → peer: BucketAnnounce, the frame, and a payload of one chunk at most
+  Bucket = 5,     // server → peer: BucketAnnounce, the frame, and a payload of one chunk at most
   Payload,        // server → peer: one chunk of the payload's bytes (chunks in order)
   Ack,            // peer → server: the ordinal of the last bucket it took
-  Heartbeat,      // server → peer, when idle: the link is alive
+  Heartbeat,      // server → peer: the first message on a link, then whenever idle
   PayloadHash,    // server → peer, after the chunks: chunked_hash() of the payload
 };
 
@@ -41,28 +34,6 @@ constexpr ucp_tag_t tag(Kind kind, std::uint64_t key = 0) {
   return (static_cast<ucp_tag_t>(kind) << 56) | (key & kKeyMask);
 }
 
-using Nonce = std::array<std::uint8_t, 32>;
-using Digest = std::array<std::uint8_t, 32>;  // HMAC-SHA256
-
-struct Challenge {
-  std::array<char, 8> magic;
-  std::uint32_t version;
-  std::uint32_t reserved;
-  std::uint64_t key;
-  Nonce nonce;
-};
-struct ProofMessage {
-  std::array<char, 8> magic;
-  std::uint32_t version;
-  std::uint32_t reserved;
-  Digest proof;  // client_proof(token, server nonce, key)
-  Nonce nonce;
-};
-struct Welcome {
-  Digest proof;  // server_proof(token, peer nonce, key)
-  std::uint32_t channel_bytes;
-  std::array<char, 252> channel;  // the served channel's name
-};
 struct BucketAnnounce {
   std::uint64_t ordinal;      // 1, 2, ... on this link; acknowledged by Ack
   std::uint64_t sequence;     // in the served channel
@@ -110,19 +81,5 @@ constexpr std::uint64_t chunk_count(std::uint64_t payload_bytes, std::uint64_t c
 struct Ack {
   std::uint64_t ordinal;
 };
-// Refused: a reason code, then text (kMaxRefusalBytes at most in all).
-enum class Refusal : std::uint8_t {
-  WrongToken = 1,  // the peer's proof failed: it gives up (Unauthorized)
-  Other,           // the server is full, or the peer was slow or malformed: it may retry
-};
-inline constexpr std::size_t kMaxRefusalBytes = 512;
-
-// Random bytes from the kernel; SystemError when it has none.
-void random_bytes(void* into, std::size_t size);
-// What each side proves it holds the token with: HMAC-SHA256 of a side's label, the other
-// side's fresh nonce and the connection's key. Neither proof can be replayed on another link.
-Digest client_proof(std::string_view token, const Nonce& server_nonce, std::uint64_t key);
-Digest server_proof(std::string_view token, const Nonce& peer_nonce, std::uint64_t key);
-bool same_digest(const Digest& a, const Digest& b) noexcept;  // in constant time
 
 }  // namespace tensorbucket::net::detail

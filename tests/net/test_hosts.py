@@ -12,6 +12,7 @@ import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -495,20 +496,67 @@ def listening_addresses(pid):
     return addresses
 
 
+# The front door's messages (net/door.hpp): a header (kind, 3 reserved bytes, the length of
+# what follows), then the message.
+CHALLENGE, PROOF, WELCOME, REFUSED, ADDRESS = 1, 2, 3, 4, 5
+MAGIC, PROTOCOL = b"TBNET\0\0\0", 3
+
+
+def door_message(kind, body, length=None):
+    return struct.pack("<B3xI", kind, len(body) if length is None else length) + body
+
+
+def door_messages(link, seconds):
+    """Every message that comes on `link` until it closes, as (kind, body): a refusal's body is
+    its reason code and text."""
+    link.settimeout(seconds)
+    data = b""
+    try:
+        while chunk := link.recv(65536):
+            data += chunk
+    except (socket.timeout, ConnectionResetError):
+        pass
+    messages = []
+    while len(data) >= 8:
+        kind, length = struct.unpack_from("<B3xI", data)
+        messages.append((kind, data[8:8 + length]))
+        data = data[8 + length:]
+    return messages
+
+
+def open_files(pid):
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def cpu_seconds(pid):
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_connections_that_never_prove_the_token_are_capped_and_refused(same_host):
-    """Nine links that never send a proof: the server challenges eight, turns the ninth away,
-    refuses the eight after 3 s, and a genuine relay that came meanwhile gets in after them."""
+    """Nine connections that never send a proof: the server challenges eight, turns the ninth
+    away at once, saying why, refuses the eight after 3 s, and a genuine relay that came
+    meanwhile gets in after them."""
     h, count, address = same_host, 20, "127.0.0.1:17006"
     h.trainer(interval_ms=5)
     serve = h.serve(address)
     wait_for(lambda: "on 127.0.0.1" in h.text("serve"), 30, "serve to listen")
-    silent = subprocess.Popen([os.environ["TBUCKET_SILENT_PEER"], address, "9", "6"], stdout=subprocess.PIPE,
-                              text=True)
-    wait_for(lambda: "proving the token already" in h.text("serve"), 30, "the ninth link to be turned away")
+    links = [socket.create_connection(("127.0.0.1", 17006), timeout=5) for _ in range(8)]
+    time.sleep(0.2)  # the eight at the door first
+    ninth = socket.create_connection(("127.0.0.1", 17006), timeout=5)
+    turned_away = door_messages(ninth, 5)
+    assert [kind for kind, _ in turned_away] == [REFUSED], turned_away
+    assert b"8 connections proving the token already" in turned_away[0][1]
     relay = h.relay(address)
     server = h.server(count)
-    out, _ = silent.communicate(timeout=60)
-    assert out.split() == ["challenged", "8", "refused", "8", "cut", "9"], out
+    started = time.monotonic()
+    for link in links:
+        messages = door_messages(link, 10)
+        assert [kind for kind, _ in messages] == [CHALLENGE, REFUSED], messages
+        assert messages[1][1] == b"\x02no proof of the token within 3 s", messages
+        assert len(messages[0][1]) == 56 and messages[0][1][:12] == MAGIC + struct.pack("<I", PROTOCOL)
+        link.close()
+    assert time.monotonic() - started < 6
     # UCX's own listening sockets (its TCP transport's) are held to the listen address's
     # interface too, not opened on every interface.
     wait_for(lambda: "connected to" in h.text("relay"), 30, "the relay to get in")
@@ -517,6 +565,85 @@ def test_connections_that_never_prove_the_token_are_capped_and_refused(same_host
     assert "no proof of the token within 3 s" in h.text("serve")
     assert server.wait(timeout=60) == 0, h.text("relay")
     assert len(buckets(h, "server")) == count
+
+
+def test_idle_connections_are_not_held(same_host):
+    """500 connections that never send: serve holds 8 of them at most, each 3 s at most, turns
+    the rest away at once, does not spin meanwhile, and then serves a relay."""
+    h, count, port = same_host, 20, 17020
+    h.trainer(interval_ms=5)
+    serve = h.serve(f"127.0.0.1:{port}")
+    wait_for(lambda: "on 127.0.0.1" in h.text("serve"), 30, "serve to listen")
+    before, cpu_before = open_files(serve.pid), cpu_seconds(serve.pid)
+    links = []
+    try:
+        for _ in range(500):
+            links.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(1)
+        held = open_files(serve.pid) - before
+        assert held <= 8, f"serve holds {held} more descriptors with 500 idle connections"
+        time.sleep(3.5)
+        assert open_files(serve.pid) <= before + 2, "serve still holds idle connections after 4.5 s"
+        assert cpu_seconds(serve.pid) - cpu_before < 1.5, "serve spun while the connections sat there"
+    finally:
+        for link in links:
+            link.close()
+    h.relay(f"127.0.0.1:{port}")
+    server = h.server(count)
+    assert server.wait(timeout=60) == 0, h.text("relay")
+    assert len(buckets(h, "server")) == count
+    assert stopped_cleanly(serve), h.text("serve")
+
+
+def test_a_server_out_of_descriptors_turns_connections_away_and_serves_again(same_host):
+    """serve held to a few descriptors more than it uses, and 300 connections that never send:
+    it turns those it cannot take away at once (a spare descriptor makes room to), rather than
+    leave them in the listening queue ahead of relays, does not spin, and serves a relay while
+    they are still open."""
+    h, count, port = same_host, 20, 17023
+    h.trainer(interval_ms=5)
+    probe = h.serve(f"127.0.0.1:{port}", name="probe")
+    wait_for(lambda: "on 127.0.0.1" in h.text("probe"), 30, "serve to listen")
+    used = open_files(probe.pid)
+    assert stopped_cleanly(probe), h.text("probe")
+    limit = used + 8
+    serve = h.run("serve", "prlimit", f"--nofile={limit}:{limit}", TBUCKET, "serve", "--channel", h.up, "--listen",
+                  f"127.0.0.1:{port}", "--token-file", str(h.token))
+    wait_for(lambda: "on 127.0.0.1" in h.text("serve"), 30, "serve to listen")
+    cpu_before = cpu_seconds(serve.pid)
+    links = []
+    try:
+        for _ in range(300):
+            links.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(1)
+        assert cpu_seconds(serve.pid) - cpu_before < 1.5, "serve spun while out of descriptors"
+        h.relay(f"127.0.0.1:{port}")
+        server = h.server(count)
+        assert server.wait(timeout=60) == 0, h.text("serve") + h.text("relay")
+    finally:
+        for link in links:
+            link.close()
+    assert len(buckets(h, "server")) == count
+    assert "away: out of descriptors" in h.text("serve")
+    assert stopped_cleanly(serve), h.text("serve")
+
+
+def test_relays_proving_the_token_together_get_max_peers_places(same_host):
+    """Four relays connecting at once to a server with `--max-peers 1`: proofs that arrive
+    together are counted with the relays still sending their address, so one relay is served
+    and the others are refused, saying why, for as long as it stays."""
+    h, port = same_host, 17022
+    h.trainer(interval_ms=5)
+    serve = h.start("serve", "serve", "--channel", h.up, "--listen", f"127.0.0.1:{port}", "--token-file",
+                    str(h.token), "--max-peers", "1")
+    wait_for(lambda: "on 127.0.0.1" in h.text("serve"), 30, "serve to listen")
+    relays = [h.start(f"relay{i}", "relay", "--connect", f"127.0.0.1:{port}", "--channel", h.up, "--as",
+                      f"{h.down}r{i}", "--token-file", str(h.token)) for i in range(4)]
+    wait_for(lambda: sum(h.text(f"relay{i}").count("max_peers (1) reached") for i in range(4)) >= 6, 30,
+             "the other relays to be refused, and to retry")
+    assert h.text("serve").count("serving 127.0.0.1") == 1, h.text("serve")
+    assert all(relay.poll() is None for relay in relays)
+    assert stopped_cleanly(serve), h.text("serve")
 
 
 def measured_env():
@@ -535,68 +662,138 @@ def anonymous_rss_mib(pid):
     raise AssertionError(f"no RssAnon for {pid}")
 
 
+class Flood:
+    """`links` threads, each connecting to 127.0.0.1:`port` again and again and sending `data`
+    as fast as the connection takes it until the other side closes it, for `seconds`. With
+    `first`, what a thread sends first on each connection. As a server (`serve=True`), it
+    listens instead and sends `first`, then `data` over and over, to whoever connects."""
+
+    def __init__(self, port, data, seconds, links=1, first=b"", serve=False):
+        self.port, self.data, self.first = port, data, first
+        self.until = time.monotonic() + seconds
+        self.connections, self.sent = 0, 0
+        self.lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", port)) if serve else None
+        target = self.accept if serve else self.connect
+        self.threads = [threading.Thread(target=target, daemon=True) for _ in range(links)]
+        for thread in self.threads:
+            thread.start()
+
+    def flood(self, link):
+        with self.lock:
+            self.connections += 1
+        link.settimeout(2)
+        try:
+            link.sendall(self.first)
+            while time.monotonic() < self.until:
+                link.sendall(self.data)
+                with self.lock:
+                    self.sent += 1
+        except OSError:
+            pass  # closed by the other side, or stuck: next connection
+        finally:
+            link.close()
+
+    def connect(self):
+        while time.monotonic() < self.until:
+            try:
+                self.flood(socket.create_connection(("127.0.0.1", self.port), timeout=2))
+            except OSError:
+                time.sleep(0.01)
+
+    def accept(self):
+        self.listener.settimeout(0.2)
+        while time.monotonic() < self.until:
+            try:
+                link, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            threading.Thread(target=self.flood, args=(link,), daemon=True).start()
+
+    def running(self):
+        return time.monotonic() < self.until
+
+    def close(self):
+        self.until = 0
+        for thread in self.threads:
+            thread.join()
+        if self.listener:
+            self.listener.close()
+
+
 def test_a_flood_from_links_without_the_token_neither_piles_up_nor_stalls_a_relay(same_host):
-    """Eight links that never prove the token send tiny messages under keys no link has, as fast
-    as they can, until the server cuts them off: the server's memory stays put, also when it
+    """Eight threads connect to the front door again and again and send bytes as fast as it
+    takes them, proofs of a wrong token or garbage: the server's memory stays put, also when it
     was held up and finds a backlog, and the relay it serves meanwhile is neither dropped nor
     late."""
-    h, count, address = same_host, 300, "127.0.0.1:17008"
+    h, count, port = same_host, 300, 17008
+    address = f"127.0.0.1:{port}"
     h.trainer(interval_ms=10)
     serve = h.serve(address, env=measured_env())
     wait_for(lambda: "on 127.0.0.1" in h.text("serve"), 30, "serve to listen")
     h.relay(address)
     server = h.server(count)
     wait_for(lambda: "serving 127.0.0.1" in h.text("serve"), 30, "the relay to get in")
-    before = anonymous_rss_mib(serve.pid)
-    flood = subprocess.Popen([os.environ["TBUCKET_SILENT_PEER"], address, "8", "30", "flood"],
-                             stdout=subprocess.PIPE, text=True)
-    peak = before
-    # serve held up for a while once the flood is on, as on a loaded host: it comes back to a
-    # backlog of it
-    ready, _, _ = select.select([flood.stdout], [], [], 30)
-    line = flood.stdout.readline() if ready else "nothing within 30 s"
-    assert line == "all challenged\n", f"the flood was to be on: silent-peer said {line!r}"
-    time.sleep(0.3)
-    serve.send_signal(signal.SIGSTOP)
-    time.sleep(1.5)
-    serve.send_signal(signal.SIGCONT)
-    while flood.poll() is None:
-        peak = max(peak, anonymous_rss_mib(serve.pid))
-        time.sleep(0.05)
-    out = flood.stdout.read().split()
-    # all cut off, 3 s after they came, within the 30 s the flood goes on at most
-    assert out[:2] == ["challenged", "8"] and out[4:6] == ["cut", "8"], out
-    assert int(out[7]) > 100_000, out  # the flood did flood
+    before = peak = anonymous_rss_mib(serve.pid)
+    proof = door_message(PROOF, MAGIC + struct.pack("<II", PROTOCOL, 0) + os.urandom(64))
+    floods = [Flood(port, proof, 8, links=4), Flood(port, os.urandom(4096), 8, links=4)]
+    try:
+        time.sleep(1)
+        # serve held up for a while once the flood is on, as on a loaded host: it comes back to
+        # a backlog of it
+        serve.send_signal(signal.SIGSTOP)
+        time.sleep(1.5)
+        serve.send_signal(signal.SIGCONT)
+        while any(flood.running() for flood in floods):
+            peak = max(peak, anonymous_rss_mib(serve.pid))
+            time.sleep(0.05)
+    finally:
+        for flood in floods:
+            flood.close()
+    assert all(flood.connections > 8 for flood in floods), [flood.connections for flood in floods]
     assert peak - before < 64, f"serve grew from {before:.0f} to {peak:.0f} MiB under the flood"
+    assert "refused 127.0.0.1" in h.text("serve")
     assert server.wait(timeout=60) == 0, h.text("server")
     assert len(buckets(h, "server")) == count
     assert "dropped" not in h.text("serve")
+
+
+def challenge(key=1):
+    return door_message(CHALLENGE, MAGIC + struct.pack("<IIQ", PROTOCOL, 0, key) + os.urandom(32))
 
 
 @pytest.mark.parametrize("mode, port, said", [
     ("heartbeats", 17012, "a message of kind 8 where a challenge was due"),
     ("welcomes", 17013, "a message of kind 3 where a challenge was due"),
     ("challenges", 17014, "a message of kind 1 where a welcome was due"),
+    ("huge", 17021, "a challenge of 4294967295 bytes"),
 ])
 def test_a_server_without_the_token_that_floods_the_handshake_neither_fills_a_relay_nor_stops_it(
         same_host, mode, port, said):
-    """Whoever answers at the relay's address, token or not, can send during the handshake:
-    messages the handshake does not wait for there (heartbeats or welcomes before the challenge,
-    challenges after it) drop the link at once, the relay's memory stays put, it says why, and
-    it keeps trying until the real server is back."""
+    """Whoever answers at the relay's address, token or not, can send at the front door:
+    messages the handshake does not wait for there (heartbeats, welcomes or a challenge of 4 GiB
+    where the challenge is due, challenges after it) drop the connection at once, the relay's
+    memory stays put, it says why, and it keeps trying until the real server is back."""
     h, count, address = same_host, 50, f"127.0.0.1:{port}"
-    flooder = h.run("flooder", os.environ["TBUCKET_FLOODING_SERVER"], address, "6", mode)
-    wait_for(lambda: "listening" in h.lines("flooder"), 30, "the flooding server to listen")
-    relay = h.relay(address, env=measured_env())
-    wait_for(lambda: "accepted a link" in h.lines("flooder"), 30, "the relay to connect")
-    before = peak = anonymous_rss_mib(relay.pid)  # past UCX's start-up: its worker is made
-    while flooder.poll() is None:
-        peak = max(peak, anonymous_rss_mib(relay.pid))
-        time.sleep(0.05)
+    first, data = {
+        "heartbeats": (b"", door_message(8, bytes(8))),
+        "welcomes": (b"", door_message(WELCOME, bytes(288))),
+        "challenges": (challenge(), challenge()),
+        "huge": (door_message(CHALLENGE, b"", length=2**32 - 1), os.urandom(65536)),
+    }[mode]
+    flooder = Flood(port, data, 6, first=first, serve=True)
+    try:
+        relay = h.relay(address, env=measured_env())
+        wait_for(lambda: flooder.connections >= 1, 30, "the relay to connect")
+        before = peak = anonymous_rss_mib(relay.pid)  # past UCX's start-up: its worker is made
+        while flooder.running():
+            peak = max(peak, anonymous_rss_mib(relay.pid))
+            time.sleep(0.05)
+    finally:
+        flooder.close()
     assert peak - before < 32, f"the relay grew from {before:.0f} to {peak:.0f} MiB under the flood"
     assert said in h.text("relay")
-    accepted = int(h.lines("flooder")[-1].split()[1])
-    assert accepted >= 2, h.lines("flooder")  # the relay came back after the drop
+    assert flooder.connections >= 2, flooder.connections  # the relay came back after the drop
     assert relay.poll() is None, h.text("relay")
     h.trainer(interval_ms=10)
     h.serve(address)
@@ -672,17 +869,17 @@ def test_a_resolver_that_never_answers_does_not_hang_the_relay(tmp_path):
         shutil.rmtree(conf.parent, ignore_errors=True)
 
 
-# Bytes from whoever reaches a port, before any token. UCX's connection manager reads a header
-# (a length, a status) and the private data it announces; 1.13.1 aborted on each of these.
+# Bytes from whoever reaches a port, before any token: short writes, a header declaring 2^64-1
+# bytes (UCX's connection manager reads such a header; 1.13.1 aborted on each of these), garbage.
 BYTES_BEFORE_ANY_TOKEN = [b"\0" * 16 + b"X", (2**64 - 1).to_bytes(8, "little") + b"\0" * 9, b"\xff" * 4096]
 
 
-def first_bytes_of_a_relay(h, port):
-    """What a relay sends first to the address it connects to: its connection request, taken
-    by a plain TCP listener, which then closes the link."""
+def ucx_connection_request(port):
+    """What UCX's connection manager sends first to a server address (relays did, before the
+    front door): a connection request, the client's worker address in it, taken by a plain
+    TCP listener."""
     with socket.create_server(("127.0.0.1", port)) as listener:
-        relay = h.run("request", TBUCKET, "relay", "--connect", f"127.0.0.1:{port}", "--channel", h.up, "--as",
-                      f"{h.down}x", "--token-file", str(h.token))
+        client = subprocess.Popen([os.environ["TBUCKET_UCX_REQUEST"], f"127.0.0.1:{port}", "3"])
         listener.settimeout(30)
         link, _ = listener.accept()
         with link:
@@ -693,8 +890,7 @@ def first_bytes_of_a_relay(h, port):
                     request += chunk
             except socket.timeout:
                 pass
-    relay.send_signal(signal.SIGTERM)
-    relay.wait(timeout=15)
+    client.wait(timeout=15)
     assert len(request) > 16, request
     return request
 
@@ -716,17 +912,29 @@ def stopped_cleanly(proc):
 
 
 def test_bytes_before_any_token_do_not_kill_serve(same_host):
-    """Short writes, a header declaring 2^64-1 bytes, garbage, and a genuine connection request
-    cut short at 100 places, each on a link of its own: serve outlives them all, and then
-    serves a relay every bucket. (A request with bytes changed inside UCX's own address still
-    aborts UCX 1.22 on an assertion: docs/network.md.)"""
+    """Short writes, a header declaring 2^64-1 bytes, garbage; UCX's own connection request,
+    cut short at 100 places and with bytes changed inside its worker address at 200 (UCX 1.22
+    aborted on those when its listener read them); and front-door messages of every kind and
+    of absurd sizes: each on a connection of its own, serve outlives them all and then serves
+    a relay every bucket."""
     h, count, port = same_host, 50, 17015
-    request = first_bytes_of_a_relay(h, port)
+    request = ucx_connection_request(port)
     h.trainer(interval_ms=10)
     serve = h.serve(f"127.0.0.1:{port}")
     wait_for(lambda: "on 127.0.0.1" in h.text("serve"), 30, "serve to listen")
     rng = random.Random(42)
-    for data in BYTES_BEFORE_ANY_TOKEN + [request[:rng.randrange(1, len(request))] for _ in range(100)]:
+    mutated = []
+    for _ in range(200):
+        data = bytearray(request)
+        for _ in range(rng.randrange(1, 4)):
+            data[rng.randrange(16, len(data))] = rng.randrange(256)
+        mutated.append(bytes(data))
+    proof_body = MAGIC + struct.pack("<II", PROTOCOL, 0) + bytes(64)
+    door = [door_message(kind, b"", length=length) for kind in (0, 1, 2, 3, 4, 5, 6, 8, 255) for length in (0, 80, 2**32 - 1)]
+    door += [door_message(PROOF, proof_body), door_message(PROOF, proof_body + b"x"),
+             door_message(PROOF, proof_body[:-1]), door_message(PROOF, proof_body) + b"\xff" * 4096,
+             struct.pack("<B3BI", PROOF, 1, 2, 3, 80) + proof_body]
+    for data in BYTES_BEFORE_ANY_TOKEN + [request[:rng.randrange(1, len(request))] for _ in range(100)] + mutated + door:
         send_and_close(port, data)
         assert serve.poll() is None, f"serve ended with {serve.returncode} after {data[:64]!r}: {h.text('serve')}"
     h.relay(f"127.0.0.1:{port}")
@@ -737,8 +945,8 @@ def test_bytes_before_any_token_do_not_kill_serve(same_host):
 
 
 class Impostor:
-    """A plain TCP listener on the port that answers every link's first message with `answer`
-    and closes it, counting the links."""
+    """A plain TCP listener on the port that greets every connection with `answer` (serve speaks
+    first) and closes it, counting the connections."""
 
     def __init__(self, port, answer):
         self.listener = socket.create_server(("127.0.0.1", port))
@@ -756,7 +964,6 @@ class Impostor:
             with link:
                 link.settimeout(2)
                 try:
-                    link.recv(65536)
                     link.sendall(self.answer)
                     time.sleep(0.05)
                 except OSError:
