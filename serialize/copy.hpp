@@ -1,12 +1,14 @@
 // Internal: copying entries into a payload, for packing and for in-place writers alike.
 //
-// Past kStreamingBytes of payload the destination cannot stay in cache anyway, so entries are
-// copied with non-temporal stores: glibc's memcpy switches to them only for single copies of
-// several MiB, and a bucket of many 256 KiB tensors otherwise pays a read-for-ownership of
-// every destination line (measured: 1.1-1.3x a single memcpy of the same bytes). The
-// threshold was 16 MiB; at 4 MiB, 1000 x 8 KiB and 1000 x 16 KiB buckets (two slots of which
-// outgrow the share of L3 a VM gets) hand off in 0.5-0.8x the time, while 1000 x 4 KiB showed
-// no difference either way and stays cached for its consumer (bench/RESULTS.md, issue 21).
+// Past kStreamingBytes of payload the destination cannot stay in cache anyway. On the AMD EPYC
+// hosts measured, copying its entries with non-temporal stores was then faster than glibc's
+// memcpy, which switches to them only for single copies of several MiB, so that a bucket of
+// many 256 KiB tensors paid a read-for-ownership of every destination line (1.1-1.3x a single
+// memcpy of the same bytes; 1000 x 8 KiB and x 16 KiB handed off in 0.5-0.8x the time with
+// streaming from 4 MiB, bench/RESULTS.md, issue 21). On an Intel Xeon host glibc's memcpy,
+// which picks its routine per CPU, wrote 256 MiB faster than the streaming loop (issue 43).
+// So neither is fixed: a process times its first large packs with each and keeps the faster
+// (large_copies()).
 #pragma once
 
 #include <chrono>
@@ -21,9 +23,17 @@ namespace tensorbucket::detail {
 
 inline constexpr std::uint64_t kStreamingBytes = 4u << 20;  // a payload past 4 MiB
 
-// Whether copies into `payload` should stream: large enough, and 16-byte aligned (entries are
-// kPayloadAlignment-aligned from the payload's start).
+// Whether copies into `payload` should stream: large enough, 16-byte aligned (entries are
+// kPayloadAlignment-aligned from the payload's start), and streaming is this host's way (or
+// not yet measured against memcpy).
 bool streams(std::span<const std::byte> payload) noexcept;
+
+// How payloads past kStreamingBytes are copied in this process: "streaming" or "memcpy" once
+// chosen, "measuring" before. The first 2 x kCopyTrials packs of such payloads alternate the
+// two and are timed per byte; the one with the lower median runs from then on.
+// TENSORBUCKET_LARGE_COPIES=streaming|memcpy in the environment chooses without measuring.
+inline constexpr int kCopyTrials = 6;
+const char* large_copies() noexcept;
 
 // memcpy, or non-temporal stores when `streaming`. Streaming stores are weakly ordered: call
 // finish_streaming() after the last one and before publishing.

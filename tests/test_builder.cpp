@@ -239,6 +239,33 @@ TEST(Copy, NearEndWakesOnceWithinItsLead) {
   EXPECT_EQ(to, from);
 }
 
+// Payloads past kStreamingBytes: the first packs alternate streaming and memcpy, timed, and the
+// process keeps the faster. Every pack, a trial or not, copies the same bytes and zeroes the
+// padding between entries.
+TEST(Copy, LargePayloadsChooseTheirRoutineByMeasurementAndPackTheSameBytes) {
+  constexpr std::int64_t kTensorBytes = (1 << 20) + 3;  // leaves padding before the next entry
+  std::vector<std::vector<std::byte>> tensors;
+  BucketBuilder builder;
+  for (int t = 0; t < 5; ++t) {
+    tensors.emplace_back(kTensorBytes, static_cast<std::byte>(t + 1));
+    builder.add("t" + std::to_string(t), DType::U8, {kTensorBytes}, tensors.back().data());
+  }
+  ASSERT_GE(builder.payload_bytes(), detail::kStreamingBytes);
+  std::vector<std::byte> expected(builder.payload_bytes());
+  const auto& entries = builder.manifest().entries;
+  for (std::size_t t = 0; t < entries.size(); ++t) {
+    std::copy(tensors[t].begin(), tensors[t].end(), expected.begin() + static_cast<std::ptrdiff_t>(entries[t].byte_offset));
+  }
+  AlignedBuffer payload(builder.payload_bytes());
+  for (int pack = 0; pack < 2 * detail::kCopyTrials + 2; ++pack) {
+    std::fill(payload.span().begin(), payload.span().end(), std::byte{0xee});
+    builder.pack_into(payload.span());
+    ASSERT_TRUE(std::equal(expected.begin(), expected.end(), payload.span().begin())) << "pack " << pack;
+  }
+  std::string chosen = detail::large_copies();
+  EXPECT_TRUE(chosen == "streaming" || chosen == "memcpy") << chosen;
+}
+
 // A kept builder follows a tensor that moved, without a new layout or a new encoding.
 TEST(Builder, SetDataMovesAnEntryAndKeepsItsEncoding) {
   std::array<std::uint32_t, 4> first{1, 2, 3, 4}, moved{5, 6, 7, 8};
