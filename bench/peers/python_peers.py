@@ -44,6 +44,9 @@ import torch
 import torch.multiprocessing as mp
 
 
+# (count, bytes each); iceoryx2_handoff.py times the same sizes for iceoryx2, in its own venv.
+SIZES = {"1000 x 1 KiB": (1000, 1024), "1000 x 256 KiB": (1000, 256 << 10), "1 x 256 MiB": (1, 256 << 20)}
+
 # A consumer that died never acknowledges: fail the run instead of waiting forever.
 ACK_TIMEOUT_S = 60
 
@@ -195,6 +198,8 @@ def main():
     parser.add_argument("--turns", type=int, default=5, help="turns each contender takes")
     parser.add_argument("--per-turn", type=int, default=8, help="counted handoffs per turn (small case)")
     parser.add_argument("--warmup-ms", type=float, default=50, help="uncounted handoffs first, each turn")
+    parser.add_argument("--size", choices=list(SIZES), action="append",
+                        help="tensors of a size (repeatable; default: 1000 x 1 KiB and 1000 x 256 KiB)")
     args = parser.parse_args()
     mp.set_start_method("spawn")
     torch.set_num_threads(1)
@@ -204,9 +209,10 @@ def main():
     except ImportError:
         print("tensorbucket module not importable: set PYTHONPATH to build/python", file=sys.stderr)
         has_tensorbucket = False
-    for label, tensor_bytes, per_turn in (("1000 x 1 KiB", 1024, args.per_turn),
-                                          ("1000 x 256 KiB", 256 * 1024, max(2, args.per_turn // 4))):
-        tensors = make_tensors(1000, tensor_bytes)
+    for label in args.size or ["1000 x 1 KiB", "1000 x 256 KiB"]:
+        count, tensor_bytes = SIZES[label]
+        per_turn = args.per_turn if count * tensor_bytes <= (1 << 20) else max(2, args.per_turn // 4)
+        tensors = make_tensors(count, tensor_bytes)
         running = [(name, make(tensors)) for name, make in contenders(has_tensorbucket)]
         for _, contender in running:
             contender.handoff()  # returns once its consumer is up: no turn competes with a start-up
