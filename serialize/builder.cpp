@@ -24,7 +24,72 @@ std::uint64_t align_up(std::uint64_t offset) {
   return (offset + kPayloadAlignment - 1) / kPayloadAlignment * kPayloadAlignment;
 }
 
+// What the last builder destroyed on a thread leaves to the next one made there. The loop a
+// trainer writes first makes a new builder every step; without this, each step grows its
+// vectors anew, allocates a string per long name, and touches fresh pages where glibc handed
+// the last step's large vectors back to the kernel (a third of a step's time, measured).
+struct Leftovers {
+  std::vector<ManifestEntry> entries;  // empty, with capacity
+  std::vector<std::string> names;      // emptied strings, with capacity
+  std::vector<const std::byte*> sources;
+  std::vector<std::uint64_t> slots;  // the table's size the last builder grew it to
+  std::vector<std::byte> encoded;
+
+  ~Leftovers() { gone = true; }
+  static thread_local bool gone;  // a builder destroyed after its thread's leftovers keeps nothing
+};
+thread_local bool Leftovers::gone = false;
+
+// A builder of more entries than this frees its storage: a thread keeps a few MiB at most.
+constexpr std::size_t kMaxLeftEntries = 1u << 14;
+
+Leftovers* leftovers() {
+  if (Leftovers::gone) return nullptr;
+  thread_local Leftovers kept;
+  return &kept;
+}
+
 }  // namespace
+
+BucketBuilder::~BucketBuilder() {
+  auto capacity = manifest_.entries.capacity();
+  if (capacity == 0 || capacity > kMaxLeftEntries) return;
+  auto* left = leftovers();
+  if (left == nullptr || left->entries.capacity() >= capacity) return;
+  try {
+    spare_names_.reserve(spare_names_.size() + manifest_.entries.size());
+  } catch (...) {  // out of memory: keep nothing
+    return;
+  }
+  for (auto& entry : manifest_.entries) {
+    entry.name.clear();
+    spare_names_.push_back(std::move(entry.name));
+  }
+  manifest_.entries.clear();
+  sources_.clear();
+  encoded_.clear();
+  left->entries = std::move(manifest_.entries);
+  left->names = std::move(spare_names_);
+  left->sources = std::move(sources_);
+  left->slots = std::move(entry_slots_);
+  left->encoded = std::move(encoded_);
+}
+
+void BucketBuilder::take_leftovers() {
+  auto* left = leftovers();
+  if (left == nullptr || left->entries.capacity() == 0) return;
+  manifest_.entries = std::move(left->entries);
+  spare_names_ = std::move(left->names);
+  sources_ = std::move(left->sources);
+  entry_slots_ = std::move(left->slots);
+  std::fill(entry_slots_.begin(), entry_slots_.end(), 0);
+  encoded_ = std::move(left->encoded);
+  left->entries = {};  // a moved-from vector is valid but unspecified
+  left->names = {};
+  left->sources = {};
+  left->slots = {};
+  left->encoded = {};
+}
 
 AlignedBuffer::AlignedBuffer(std::size_t size_bytes)
     : data_(static_cast<std::byte*>(
@@ -58,10 +123,13 @@ void BucketBuilder::restamp() noexcept {
   }
 }
 
-void BucketBuilder::append(std::string name, DType dtype, Shape shape) {
+void BucketBuilder::append(std::string_view name, DType dtype, Shape shape) {
   encoded_.clear();
   detail::check_name(name, manifest_.entries.size(), "entry");
-  if (find_entry(name)) fail(ErrorCode::DuplicateName, "entry name ", Quoted{name}, " was already added");
+  auto hash = detail::name_hash(name);
+  if (detail::find_name(entry_slots_, manifest_.entries, name, hash)) {
+    fail(ErrorCode::DuplicateName, "entry name ", Quoted{name}, " was already added");
+  }
   auto byte_length = detail::check_tensor(name, dtype, shape);
   if (manifest_.entries.size() >= kMaxEntries) {
     fail(ErrorCode::InvalidArgument, "entry ", Quoted{name}, " is one too many: a bucket holds at most ",
@@ -76,11 +144,22 @@ void BucketBuilder::append(std::string name, DType dtype, Shape shape) {
 
   std::string group;
   if (!group_of_member_.empty()) {
-    if (auto found = group_of_member_.find(name); found != group_of_member_.end()) group = found->second;
+    if (auto found = group_of_member_.find(std::string(name)); found != group_of_member_.end()) group = found->second;
   }
-  manifest_.entries.push_back({std::move(name), dtype, std::move(shape), byte_offset, byte_length, std::move(group)});
+  // Made in place: a temporary entry and its move cost as much as the rest of append().
+  auto& entry = manifest_.entries.emplace_back();
   try {
-    detail::index_last(entry_slots_, manifest_.entries);
+    if (!spare_names_.empty()) {
+      entry.name = std::move(spare_names_.back());
+      spare_names_.pop_back();
+    }
+    entry.name.assign(name);
+    entry.dtype = dtype;
+    entry.shape = std::move(shape);
+    entry.byte_offset = byte_offset;
+    entry.byte_length = byte_length;
+    entry.group = std::move(group);
+    detail::index_last(entry_slots_, manifest_.entries.size() - 1, hash);
   } catch (...) {  // out of memory: nothing added
     manifest_.entries.pop_back();
     throw;
@@ -91,6 +170,7 @@ void BucketBuilder::append(std::string name, DType dtype, Shape shape) {
 // Before append(): the source's push_back after it then cannot throw, so an add() that throws
 // adds nothing, and sources_ stays one per entry.
 void BucketBuilder::make_room_for_a_source() {
+  if (manifest_.entries.capacity() == 0) take_leftovers();
   if (sources_.size() == sources_.capacity()) sources_.reserve(std::max<std::size_t>(16, 2 * sources_.capacity()));
 }
 
@@ -98,22 +178,21 @@ std::optional<std::size_t> BucketBuilder::find_entry(std::string_view name) cons
   return detail::find_name(entry_slots_, manifest_.entries, name);
 }
 
-BucketBuilder& BucketBuilder::add(std::string name, DType dtype, Shape shape,
-                                  const void* data) {
+BucketBuilder& BucketBuilder::add(std::string_view name, DType dtype, Shape shape, const void* data) {
   // An invalid shape or dtype is left for append() to report as such.
   if (data == nullptr && checked_byte_length(dtype, shape).value_or(0) != 0) {
     fail(ErrorCode::Unmaterialized, "entry ", Quoted{name}, " of ", dtype, ' ', Dims{shape},
          " has no data (an unmaterialized tensor?)");
   }
   make_room_for_a_source();
-  append(std::move(name), dtype, std::move(shape));
+  append(name, dtype, std::move(shape));
   sources_.push_back(static_cast<const std::byte*>(data));
   return *this;
 }
 
-BucketBuilder& BucketBuilder::declare(std::string name, DType dtype, Shape shape) {
+BucketBuilder& BucketBuilder::declare(std::string_view name, DType dtype, Shape shape) {
   make_room_for_a_source();
-  append(std::move(name), dtype, std::move(shape));
+  append(name, dtype, std::move(shape));
   sources_.push_back(nullptr);
   return *this;
 }

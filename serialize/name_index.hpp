@@ -16,14 +16,23 @@
 namespace tensorbucket::detail {
 
 // The table itself, over entries kept elsewhere: per slot, the high 32 bits of the name's hash
-// and the entry's position + 1 in the low 32; 0 is empty. At most half full.
+// and the entry's position + 1 in the low 32; 0 is empty. At most half full. The high bits
+// also pick the slot, so the table grows without reading or hashing a name again.
 using NameSlots = std::vector<std::uint64_t>;
 
+// The hash the table keys on; a caller that both looks a name up and indexes it hashes once.
+std::uint64_t name_hash(std::string_view name);
+
 std::optional<std::size_t> find_name(std::span<const std::uint64_t> slots, std::span<const ManifestEntry> entries,
-                                     std::string_view name);
-// Indexes the last of `entries` (those indexed so far, plus one), growing `slots` when it
-// would be more than half full. The name must not be indexed yet (find_name() first).
-void index_last(NameSlots& slots, std::span<const ManifestEntry> entries);
+                                     std::string_view name, std::uint64_t hash);
+inline std::optional<std::size_t> find_name(std::span<const std::uint64_t> slots,
+                                            std::span<const ManifestEntry> entries, std::string_view name) {
+  return find_name(slots, entries, name, name_hash(name));
+}
+// Indexes entry `position` (every entry before it is indexed), whose name hashes to `hash`,
+// growing `slots` when it would be more than half full. The name must not be indexed yet
+// (find_name() first).
+void index_last(NameSlots& slots, std::size_t position, std::uint64_t hash);
 
 class NameIndex {
  public:

@@ -76,6 +76,15 @@ struct PackedBucket {
 
 class BucketBuilder {
  public:
+  BucketBuilder() = default;
+  BucketBuilder(const BucketBuilder&) = default;
+  BucketBuilder(BucketBuilder&&) = default;
+  BucketBuilder& operator=(const BucketBuilder&) = default;
+  BucketBuilder& operator=(BucketBuilder&&) = default;
+  // Leaves its storage to the next builder made on this thread: a trainer that makes a new
+  // builder every step then allocates nothing per entry once it has run a step.
+  ~BucketBuilder();
+
   BucketBuilder& version(std::uint64_t version);
   // InvalidArgument unless index < count.
   BucketBuilder& bucket(std::uint32_t index, std::uint32_t count);
@@ -83,12 +92,11 @@ class BucketBuilder {
   // Adds an entry whose bytes are copied from `data` when packing. Throws BadName,
   // DuplicateName, UnsupportedDtype, BadShape, or Unmaterialized when `data` is null but the
   // entry has bytes (a meta or undefined tensor). Nothing is added when it throws.
-  BucketBuilder& add(std::string name, DType dtype, Shape shape,
-                     const void* data);
+  BucketBuilder& add(std::string_view name, DType dtype, Shape shape, const void* data);
 
   // Adds an entry the caller writes in place, through entry_spans(). Same checks as add(),
   // except that it has no data yet.
-  BucketBuilder& declare(std::string name, DType dtype, Shape shape);
+  BucketBuilder& declare(std::string_view name, DType dtype, Shape shape);
 
   // Points entry `name`, made by add(), at new bytes of the same dtype and shape (a tensor the
   // trainer reallocated). The layout does not change, nor its kept encoding: a builder made
@@ -131,7 +139,8 @@ class BucketBuilder {
   PackedBucket pack(const EncodeOptions& options = {}) const;
 
  private:
-  void append(std::string name, DType dtype, Shape shape);
+  void append(std::string_view name, DType dtype, Shape shape);
+  void take_leftovers();  // of the last builder destroyed on this thread
   void restamp() noexcept;  // the identity fields into encoded_, when kept
   std::optional<std::size_t> find_entry(std::string_view name) const;  // its position in manifest_.entries
   void make_room_for_a_source();
@@ -139,6 +148,7 @@ class BucketBuilder {
   Manifest manifest_;
   std::vector<const std::byte*> sources_;  // per entry; null for declare()d entries
   std::vector<std::uint64_t> entry_slots_;  // entry names -> positions in manifest_.entries (flat)
+  std::vector<std::string> spare_names_;    // strings whose capacity append() reuses for names
   std::unordered_map<std::string, std::string> group_of_member_;
   std::uint64_t payload_bytes_ = 0;
   mutable std::vector<std::byte> encoded_;  // empty until encoded_manifest(), and after changes
