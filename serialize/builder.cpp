@@ -25,15 +25,17 @@ std::uint64_t align_up(std::uint64_t offset) {
 }
 
 // What the last builder destroyed on a thread leaves to the next one made there. The loop a
-// trainer writes first makes a new builder every step; without this, each step grows its
-// vectors anew, allocates a string per long name, and touches fresh pages where glibc handed
-// the last step's large vectors back to the kernel (a third of a step's time, measured).
+// trainer writes first makes a new builder every step, of the same layout; without this, each
+// step grows its vectors anew, allocates a string per long name, checks, indexes and encodes
+// the same entries again, and touches fresh pages where glibc handed the last step's large
+// vectors back to the kernel (a third of a step's time, measured).
 struct Leftovers {
-  std::vector<ManifestEntry> entries;  // empty, with capacity
-  std::vector<std::string> names;      // emptied strings, with capacity
+  std::vector<ManifestEntry> layout;  // the last builder's entries
+  std::vector<ManifestEntry> spare;   // empty, with capacity
   std::vector<const std::byte*> sources;
-  std::vector<std::uint64_t> slots;  // the table's size the last builder grew it to
-  std::vector<std::byte> encoded;
+  std::vector<std::uint64_t> slots;  // the index of `layout`
+  std::vector<std::byte> encoded;    // the encoding of `layout`, or empty
+  std::uint64_t encoding_id = 0;
 
   ~Leftovers() { gone = true; }
   static thread_local bool gone;  // a builder destroyed after its thread's leftovers keeps nothing
@@ -49,46 +51,60 @@ Leftovers* leftovers() {
   return &kept;
 }
 
+bool same_entry(const ManifestEntry& entry, std::string_view name, DType dtype, const Shape& shape) {
+  return entry.dtype == dtype && entry.shape == shape && entry.name == name;
+}
+
 }  // namespace
 
+// Layouts with groups are neither left nor repeated: they are rare, and their members may be
+// named before they are added.
 BucketBuilder::~BucketBuilder() {
-  auto capacity = manifest_.entries.capacity();
-  if (capacity == 0 || capacity > kMaxLeftEntries) return;
+  auto count = manifest_.entries.size();
+  if (count == 0 || count > kMaxLeftEntries || !manifest_.groups.empty()) return;
   auto* left = leftovers();
-  if (left == nullptr || left->entries.capacity() >= capacity) return;
-  try {
-    spare_names_.reserve(spare_names_.size() + manifest_.entries.size());
-  } catch (...) {  // out of memory: keep nothing
-    return;
-  }
-  for (auto& entry : manifest_.entries) {
-    entry.name.clear();
-    spare_names_.push_back(std::move(entry.name));
-  }
-  manifest_.entries.clear();
+  if (left == nullptr) return;
+  if (last_.repeating && count != last_.entries.size()) stop_repeating();  // the table then indexes this layout
+  last_.entries.clear();
   sources_.clear();
-  encoded_.clear();
-  left->entries = std::move(manifest_.entries);
-  left->names = std::move(spare_names_);
+  left->layout = std::move(manifest_.entries);
+  left->spare = std::move(last_.entries);
   left->sources = std::move(sources_);
   left->slots = std::move(entry_slots_);
-  left->encoded = std::move(encoded_);
+  left->encoded = std::move(encoded_);  // empty when the builder changed after its last encoding
+  left->encoding_id = encoding_id_;
 }
 
 void BucketBuilder::take_leftovers() {
+  last_.taken = true;
   auto* left = leftovers();
-  if (left == nullptr || left->entries.capacity() == 0) return;
-  manifest_.entries = std::move(left->entries);
-  spare_names_ = std::move(left->names);
+  if (left == nullptr || left->layout.empty() || !manifest_.entries.empty()) return;
+  last_.entries = std::move(left->layout);
+  manifest_.entries = std::move(left->spare);
+  manifest_.entries.clear();
   sources_ = std::move(left->sources);
+  sources_.clear();
   entry_slots_ = std::move(left->slots);
-  std::fill(entry_slots_.begin(), entry_slots_.end(), 0);
-  encoded_ = std::move(left->encoded);
-  left->entries = {};  // a moved-from vector is valid but unspecified
-  left->names = {};
-  left->sources = {};
-  left->slots = {};
-  left->encoded = {};
+  last_.encoded = std::move(left->encoded);
+  last_.encoding_id = left->encoding_id;
+  last_.spare = 0;
+  last_.repeating = manifest_.groups.empty();
+  if (!last_.repeating) std::fill(entry_slots_.begin(), entry_slots_.end(), 0);
+  // Moved-from vectors are valid but unspecified.
+  left->layout.clear();
+  left->spare.clear();
+  left->sources.clear();
+  left->slots.clear();
+  left->encoded.clear();
+}
+
+// The entries moved over so far stay, indexed anew; the rest of the last layout's entries
+// give their strings to the names added from here on.
+void BucketBuilder::stop_repeating() noexcept {
+  last_.repeating = false;
+  last_.spare = manifest_.entries.size();
+  last_.encoded.clear();
+  detail::index_all(entry_slots_, manifest_.entries);  // no allocation: it indexed the last layout, no smaller
 }
 
 AlignedBuffer::AlignedBuffer(std::size_t size_bytes)
@@ -123,8 +139,23 @@ void BucketBuilder::restamp() noexcept {
   }
 }
 
-void BucketBuilder::append(std::string_view name, DType dtype, Shape shape) {
-  encoded_.clear();
+void BucketBuilder::append(std::string_view name, DType dtype, Shape&& shape) {
+  if (last_.repeating) {
+    auto position = manifest_.entries.size();
+    if (position < last_.entries.size() && same_entry(last_.entries[position], name, dtype, shape)) {
+      // Checked, laid out at this same offset and indexed at this position by the last builder.
+      encoded_.clear();
+      const auto& entry = manifest_.entries.emplace_back(std::move(last_.entries[position]));
+      payload_bytes_ = align_up(entry.byte_offset + entry.byte_length);
+      if (position + 1 == last_.entries.size() && !last_.encoded.empty()) {
+        encoded_ = std::move(last_.encoded);
+        encoding_id_ = last_.encoding_id;
+        restamp();
+      }
+      return;
+    }
+    stop_repeating();
+  }
   detail::check_name(name, manifest_.entries.size(), "entry");
   auto hash = detail::name_hash(name);
   if (detail::find_name(entry_slots_, manifest_.entries, name, hash)) {
@@ -147,12 +178,10 @@ void BucketBuilder::append(std::string_view name, DType dtype, Shape shape) {
     if (auto found = group_of_member_.find(std::string(name)); found != group_of_member_.end()) group = found->second;
   }
   // Made in place: a temporary entry and its move cost as much as the rest of append().
+  encoded_.clear();
   auto& entry = manifest_.entries.emplace_back();
   try {
-    if (!spare_names_.empty()) {
-      entry.name = std::move(spare_names_.back());
-      spare_names_.pop_back();
-    }
+    if (last_.spare < last_.entries.size()) entry.name = std::move(last_.entries[last_.spare++].name);
     entry.name.assign(name);
     entry.dtype = dtype;
     entry.shape = std::move(shape);
@@ -168,9 +197,9 @@ void BucketBuilder::append(std::string_view name, DType dtype, Shape shape) {
 }
 
 // Before append(): the source's push_back after it then cannot throw, so an add() that throws
-// adds nothing, and sources_ stays one per entry.
+// adds nothing, and sources_ stays one per entry. The first one takes the last layout over.
 void BucketBuilder::make_room_for_a_source() {
-  if (manifest_.entries.capacity() == 0) take_leftovers();
+  if (!last_.taken) take_leftovers();
   if (sources_.size() == sources_.capacity()) sources_.reserve(std::max<std::size_t>(16, 2 * sources_.capacity()));
 }
 
@@ -214,6 +243,7 @@ BucketBuilder& BucketBuilder::set_data(std::string_view name, const void* data) 
 }
 
 BucketBuilder& BucketBuilder::group(std::string name, std::vector<std::string> members) {
+  if (last_.repeating) stop_repeating();
   detail::check_name(name, manifest_.groups.size(), "group");
   for (const auto& group : manifest_.groups) {
     if (group.name == name) fail(ErrorCode::DuplicateName, "group ", Quoted{name}, " was already declared");

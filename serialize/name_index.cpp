@@ -53,9 +53,17 @@ std::optional<std::size_t> find_name(std::span<const std::uint64_t> slots, std::
   auto tag = hash & ~kPositionMask;
   for (auto slot = slot_of(hash, mask); slots[slot] != 0; slot = (slot + 1) & mask) {
     auto position = (slots[slot] & kPositionMask) - 1;
-    if ((slots[slot] & ~kPositionMask) == tag && entries[position].name == name) return position;
+    if ((slots[slot] & ~kPositionMask) == tag && position < entries.size() && entries[position].name == name) {
+      return position;
+    }
   }
   return std::nullopt;
+}
+
+void index_all(NameSlots& slots, std::span<const ManifestEntry> entries) {
+  if (slots.size() < slots_for(entries.size())) slots.resize(slots_for(entries.size()));
+  std::fill(slots.begin(), slots.end(), 0);
+  for (std::size_t position = 0; position < entries.size(); ++position) put(slots, name_hash(entries[position].name), position);
 }
 
 void index_last(NameSlots& slots, std::size_t position, std::uint64_t hash) {

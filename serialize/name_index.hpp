@@ -17,7 +17,9 @@ namespace tensorbucket::detail {
 
 // The table itself, over entries kept elsewhere: per slot, the high 32 bits of the name's hash
 // and the entry's position + 1 in the low 32; 0 is empty. At most half full. The high bits
-// also pick the slot, so the table grows without reading or hashing a name again.
+// also pick the slot, so the table grows without reading or hashing a name again. Positions at
+// or past the entries' count are not found: a builder repeating the last builder's layout keeps
+// that layout's table while it moves the entries over.
 using NameSlots = std::vector<std::uint64_t>;
 
 // The hash the table keys on; a caller that both looks a name up and indexes it hashes once.
@@ -29,6 +31,9 @@ inline std::optional<std::size_t> find_name(std::span<const std::uint64_t> slots
                                             std::span<const ManifestEntry> entries, std::string_view name) {
   return find_name(slots, entries, name, name_hash(name));
 }
+// Indexes every one of `entries` anew. Their names must be unique. Allocates only when the
+// table is too small for them (never where it indexed more of them before).
+void index_all(NameSlots& slots, std::span<const ManifestEntry> entries);
 // Indexes entry `position` (every entry before it is indexed), whose name hashes to `hash`,
 // growing `slots` when it would be more than half full. The name must not be indexed yet
 // (find_name() first).

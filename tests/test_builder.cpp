@@ -413,6 +413,141 @@ TEST(Builder, ABuilderMadeAfterAnotherKeepsNothingOfIt) {
   EXPECT_EQ(second.manifest().entries.back().group, "");
 }
 
+// A layout as a builder lays it out, computed here on its own: what every builder must hold,
+// whatever the builder before it on the thread held.
+struct Planned {
+  std::string name;
+  DType dtype;
+  Shape shape;
+};
+
+Manifest laid_out(std::uint64_t version, const std::vector<Planned>& plan) {
+  Manifest manifest;
+  manifest.version = version;
+  std::uint64_t end = 0;
+  for (const auto& entry : plan) {
+    auto offset = (end + kPayloadAlignment - 1) / kPayloadAlignment * kPayloadAlignment;
+    auto length = *checked_byte_length(entry.dtype, entry.shape);
+    manifest.entries.push_back({entry.name, entry.dtype, entry.shape, offset, length, ""});
+    end = offset + length;
+  }
+  return manifest;
+}
+
+// Builds `plan` in a new builder and checks everything it answers against laid_out().
+std::uint64_t build_and_check(std::uint64_t version, const std::vector<Planned>& plan,
+                              const std::vector<std::string>& absent = {}) {
+  static const std::vector<std::byte> bytes(1 << 16, std::byte{3});
+  BucketBuilder builder;
+  builder.version(version);
+  for (const auto& entry : plan) builder.add(entry.name, entry.dtype, entry.shape, bytes.data());
+  auto expected = laid_out(version, plan);
+  EXPECT_EQ(builder.manifest(), expected) << "version " << version;
+  EXPECT_EQ(decode_manifest(builder.encoded_manifest()), expected) << "version " << version;
+  EXPECT_EQ(builder.entry_sources().size(), plan.size());
+  for (const auto& entry : plan) {
+    EXPECT_NO_THROW(builder.set_data(entry.name, bytes.data())) << entry.name;
+  }
+  for (const auto& name : absent) {
+    expect_error(ErrorCode::InvalidArgument, [&] { builder.set_data(name, bytes.data()); });
+  }
+  if (!plan.empty()) {
+    expect_error(ErrorCode::DuplicateName, [&] { builder.add(plan.front().name, DType::U8, {1}, bytes.data()); });
+    expect_error(ErrorCode::DuplicateName, [&] { builder.add(plan.back().name, DType::U8, {1}, bytes.data()); });
+  }
+  return builder.encoding_id();
+}
+
+std::vector<Planned> model_plan(std::size_t entries) {
+  std::vector<Planned> plan;
+  for (std::size_t i = 0; i < entries; ++i) plan.push_back({step_name(i), DType::BF16, {4, 8}});
+  return plan;
+}
+
+TEST(Builder, ANewBuilderRepeatingTheLastLayoutHoldsExactlyItsOwn) {
+  auto plan = model_plan(50);
+  auto first = build_and_check(1, plan);
+  // The same layout again reuses the encoding, restamped.
+  EXPECT_EQ(build_and_check(2, plan), first);
+
+  auto reshaped = plan;
+  reshaped[20].shape = {4, 9};  // every later offset moves
+  EXPECT_NE(build_and_check(3, reshaped), first);
+  auto retyped = plan;
+  retyped[0].dtype = DType::F32;
+  build_and_check(4, retyped);
+  auto renamed = plan;
+  renamed[49].name = "renamed";
+  build_and_check(5, renamed, {step_name(49)});
+  build_and_check(6, plan, {"renamed"});
+
+  auto shorter = plan;
+  shorter.resize(30);
+  build_and_check(7, shorter, {step_name(30), step_name(49)});
+  auto longer = plan;
+  longer.push_back({"one.more", DType::F16, {3}});
+  build_and_check(8, longer);
+  build_and_check(9, plan, {"one.more"});
+  build_and_check(10, {});
+  build_and_check(11, plan);
+}
+
+TEST(Builder, AGroupStopsTheRepeatAndArrives) {
+  auto plan = model_plan(10);
+  build_and_check(1, plan);
+  std::vector<float> bytes(64);
+  for (bool group_first : {true, false}) {
+    BucketBuilder builder;
+    if (group_first) builder.group("pair", {step_name(0), step_name(1)});
+    for (const auto& entry : plan) builder.add(entry.name, entry.dtype, entry.shape, bytes.data());
+    if (!group_first) builder.group("pair", {step_name(0), step_name(1)});
+    auto expected = laid_out(0, plan);
+    expected.entries[0].group = expected.entries[1].group = "pair";
+    expected.groups = {{"pair", {step_name(0), step_name(1)}}};
+    EXPECT_EQ(builder.manifest(), expected);
+    EXPECT_EQ(decode_manifest(builder.encoded_manifest()), expected);
+  }
+  build_and_check(2, plan);
+}
+
+// Layouts that drift from one builder to the next the ways a trainer's do, at random.
+TEST(Builder, NewBuildersOfDriftingLayoutsEachHoldTheirOwn) {
+  std::mt19937 random(43);
+  auto plan = model_plan(40);
+  std::vector<std::string> gone;
+  for (std::uint64_t version = 1; version <= 300; ++version) {
+    auto at = [&] { return plan.empty() ? 0 : random() % plan.size(); };
+    switch (random() % 6) {
+      case 0:  // the same again
+        break;
+      case 1:
+        if (!plan.empty()) plan[at()].shape = {static_cast<std::int64_t>(random() % 300)};
+        break;
+      case 2:
+        if (!plan.empty()) plan[at()].dtype = random() % 2 ? DType::F32 : DType::U8;
+        break;
+      case 3:
+        if (!plan.empty()) {
+          auto i = at();
+          gone.push_back(plan[i].name);
+          plan.erase(plan.begin() + static_cast<std::ptrdiff_t>(i));
+        }
+        break;
+      default: {
+        auto name = "added." + std::to_string(version);
+        plan.insert(plan.begin() + static_cast<std::ptrdiff_t>(at()), {name, DType::F16, {2, 3}});
+        break;
+      }
+    }
+    std::vector<std::string> absent;
+    for (const auto& name : gone) {
+      if (std::none_of(plan.begin(), plan.end(), [&](const Planned& p) { return p.name == name; })) absent.push_back(name);
+    }
+    build_and_check(version, plan, absent);
+    if (::testing::Test::HasFailure()) FAIL() << "at version " << version;
+  }
+}
+
 TEST(Builder, RefusesBucketIndexPastCount) {
   BucketBuilder builder;
   expect_error(ErrorCode::InvalidArgument, [&] { builder.bucket(4, 4); });

@@ -275,6 +275,45 @@ TEST_F(Channel, SlotManifestFollowsEveryLayoutChange) {
   }
 }
 
+// A producer that makes a new builder every step: each takes over the last one's layout, and
+// its encoding when it repeats it whole. Whatever it repeats or changes, each step arrives with
+// its own names, shapes and bytes, through both slots.
+TEST_F(Channel, NewBuildersOfRepeatedAndChangedLayoutsArriveAsSent) {
+  auto publisher = Publisher::create(channel, {.slots = 2});
+  auto subscriber = Subscriber::attach(channel, 1s);
+  std::uint64_t version = 0;
+  auto send = [&](const std::vector<std::int64_t>& lengths) {
+    ++version;
+    std::vector<std::vector<float>> tensors;
+    BucketBuilder builder;
+    builder.version(version);
+    for (std::size_t i = 0; i < lengths.size(); ++i) {
+      tensors.emplace_back(lengths[i], static_cast<float>(version * 100 + i));
+      builder.add("layers." + std::to_string(i) + ".weight.of.a.model", DType::F32, {lengths[i]}, tensors[i].data());
+    }
+    ASSERT_TRUE(publisher.publish(builder, 1s));
+    auto bucket = subscriber.next(1s);
+    ASSERT_TRUE(bucket.has_value());
+    const auto& view = bucket->view();
+    EXPECT_EQ(view.version(), version);
+    ASSERT_EQ(view.size(), lengths.size()) << "version " << version;
+    for (std::size_t i = 0; i < lengths.size(); ++i) {
+      auto entry = view[i];
+      EXPECT_EQ(entry.name, "layers." + std::to_string(i) + ".weight.of.a.model");
+      ASSERT_EQ(entry.shape.size(), 1u);
+      EXPECT_EQ(entry.shape[0], lengths[i]) << "version " << version << " entry " << i;
+      ASSERT_EQ(entry.bytes.size(), tensors[i].size() * sizeof(float));
+      EXPECT_EQ(std::memcmp(entry.bytes.data(), tensors[i].data(), entry.bytes.size()), 0)
+          << "version " << version << " entry " << i;
+    }
+  };
+  const std::vector<std::int64_t> layout{3, 100, 7, 64};
+  for (const auto& lengths : std::vector<std::vector<std::int64_t>>{
+           layout, layout, layout, {3, 100, 8, 64}, layout, {3, 100}, layout, layout, {3, 100, 7, 64, 5}, layout}) {
+    send(lengths);
+  }
+}
+
 // A producer that keeps one builder (the Python module does) has the slot's manifest written in
 // full only when the builder changed since that slot last held it; each step arrives as sent,
 // through both slots and through a copy of the builder that changed apart.

@@ -9,7 +9,9 @@
 // view exists. Views are zero-copy: they point into the payload, which must outlive them.
 //
 // Thread safety: a BucketBuilder is not synchronized (one thread at a time, const members
-// included: encoded_manifest() keeps what it encodes). A BucketView is
+// included: encoded_manifest() keeps what it encodes). Builders of one thread share nothing
+// visible: a builder destroyed there leaves its storage and layout to the next one made there,
+// which uses them only while its entries repeat that layout. A BucketView is
 // immutable after open(); its const members are safe to call from many threads.
 #pragma once
 
@@ -31,6 +33,16 @@
 namespace tensorbucket {
 namespace detail {
 struct VerifiedManifest;
+
+// What a builder took over from the last builder destroyed on its thread (serialize/builder.cpp).
+struct LastLayout {
+  std::vector<ManifestEntry> entries;  // that builder's; the names past `spare` are free strings
+  std::vector<std::byte> encoded;      // their encoding, or empty
+  std::uint64_t encoding_id = 0;       // of `encoded`
+  std::size_t spare = 0;
+  bool taken = false;      // looked for, at the first add()
+  bool repeating = false;  // every entry so far was the next of `entries`, moved over
+};
 }  // namespace detail
 
 // Where a payload's bytes are: host memory, or the memory of one CUDA device (its ordinal in
@@ -139,8 +151,9 @@ class BucketBuilder {
   PackedBucket pack(const EncodeOptions& options = {}) const;
 
  private:
-  void append(std::string_view name, DType dtype, Shape shape);
+  void append(std::string_view name, DType dtype, Shape&& shape);
   void take_leftovers();  // of the last builder destroyed on this thread
+  void stop_repeating() noexcept;
   void restamp() noexcept;  // the identity fields into encoded_, when kept
   std::optional<std::size_t> find_entry(std::string_view name) const;  // its position in manifest_.entries
   void make_room_for_a_source();
@@ -148,7 +161,9 @@ class BucketBuilder {
   Manifest manifest_;
   std::vector<const std::byte*> sources_;  // per entry; null for declare()d entries
   std::vector<std::uint64_t> entry_slots_;  // entry names -> positions in manifest_.entries (flat)
-  std::vector<std::string> spare_names_;    // strings whose capacity append() reuses for names
+  // A builder made every step usually repeats the last one's layout: while add() does, entries
+  // are moved over rather than checked, copied and indexed again, and the encoding is reused.
+  detail::LastLayout last_;
   std::unordered_map<std::string, std::string> group_of_member_;
   std::uint64_t payload_bytes_ = 0;
   mutable std::vector<std::byte> encoded_;  // empty until encoded_manifest(), and after changes
