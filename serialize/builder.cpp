@@ -42,8 +42,9 @@ struct Leftovers {
 };
 thread_local bool Leftovers::gone = false;
 
-// A builder of more entries than this frees its storage: a thread keeps a few MiB at most.
-constexpr std::size_t kMaxLeftEntries = 1u << 14;
+// A builder of more entries than this frees its storage: a thread keeps ~1.5 MiB for names of
+// 60 bytes, 10 MiB at most.
+constexpr std::size_t kMaxLeftEntries = 4096;
 
 Leftovers* leftovers() {
   if (Leftovers::gone) return nullptr;
@@ -64,7 +65,13 @@ BucketBuilder::~BucketBuilder() {
   if (count == 0 || count > kMaxLeftEntries || !manifest_.groups.empty()) return;
   auto* left = leftovers();
   if (left == nullptr) return;
-  if (last_.repeating && count != last_.entries.size()) stop_repeating();  // the table then indexes this layout
+  if (last_.repeating && count != last_.entries.size()) {
+    try {
+      stop_repeating();  // the table then indexes this layout
+    } catch (...) {      // out of memory: keep nothing
+      return;
+    }
+  }
   last_.entries.clear();
   sources_.clear();
   left->layout = std::move(manifest_.entries);
@@ -100,11 +107,12 @@ void BucketBuilder::take_leftovers() {
 
 // The entries moved over so far stay, indexed anew; the rest of the last layout's entries
 // give their strings to the names added from here on.
-void BucketBuilder::stop_repeating() noexcept {
+void BucketBuilder::stop_repeating() {
+  // Allocates only in a moved-from builder: the table indexed the last layout, no smaller.
+  detail::index_all(entry_slots_, manifest_.entries);
   last_.repeating = false;
   last_.spare = manifest_.entries.size();
   last_.encoded.clear();
-  detail::index_all(entry_slots_, manifest_.entries);  // no allocation: it indexed the last layout, no smaller
 }
 
 AlignedBuffer::AlignedBuffer(std::size_t size_bytes)
@@ -177,17 +185,20 @@ void BucketBuilder::append(std::string_view name, DType dtype, Shape&& shape) {
   if (!group_of_member_.empty()) {
     if (auto found = group_of_member_.find(std::string(name)); found != group_of_member_.end()) group = found->second;
   }
+  // The name is copied before the entries may move: `name` may point into one of them.
+  std::string own_name;
+  if (last_.spare < last_.entries.size()) own_name = std::move(last_.entries[last_.spare++].name);
+  own_name.assign(name);
   // Made in place: a temporary entry and its move cost as much as the rest of append().
   encoded_.clear();
   auto& entry = manifest_.entries.emplace_back();
+  entry.name = std::move(own_name);
+  entry.dtype = dtype;
+  entry.shape = std::move(shape);
+  entry.byte_offset = byte_offset;
+  entry.byte_length = byte_length;
+  entry.group = std::move(group);
   try {
-    if (last_.spare < last_.entries.size()) entry.name = std::move(last_.entries[last_.spare++].name);
-    entry.name.assign(name);
-    entry.dtype = dtype;
-    entry.shape = std::move(shape);
-    entry.byte_offset = byte_offset;
-    entry.byte_length = byte_length;
-    entry.group = std::move(group);
     detail::index_last(entry_slots_, manifest_.entries.size() - 1, hash);
   } catch (...) {  // out of memory: nothing added
     manifest_.entries.pop_back();

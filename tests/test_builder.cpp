@@ -9,6 +9,7 @@
 #include <new>
 #include <numeric>
 #include <random>
+#include <thread>
 
 #include "serialize/copy.hpp"
 #include "support.hpp"
@@ -490,6 +491,25 @@ TEST(Builder, ANewBuilderRepeatingTheLastLayoutHoldsExactlyItsOwn) {
   build_and_check(9, plan, {"one.more"});
   build_and_check(10, {});
   build_and_check(11, plan);
+}
+
+// A name may point into the builder's own entries (a prefix of one, say): it is read before
+// the entries move. On a thread of its own, whose first builder's entries start with no room.
+TEST(Builder, ANameTakenFromTheBuildersOwnEntriesIsCopiedBeforeTheyMove) {
+  const std::string first = "weight.of.a.long.name.0";
+  std::vector<std::string> names;
+  std::thread([&] {
+    float x[1] = {};
+    BucketBuilder builder;
+    builder.add(first, DType::F32, {1}, x);
+    while (builder.manifest().entries.back().name.size() > 1) {
+      const auto& last = builder.manifest().entries.back().name;
+      builder.add(std::string_view(last).substr(0, last.size() - 1), DType::F32, {1}, x);
+    }
+    for (const auto& entry : builder.manifest().entries) names.push_back(entry.name);
+  }).join();
+  ASSERT_EQ(names.size(), first.size());
+  for (std::size_t i = 0; i < names.size(); ++i) EXPECT_EQ(names[i], first.substr(0, first.size() - i));
 }
 
 TEST(Builder, AGroupStopsTheRepeatAndArrives) {

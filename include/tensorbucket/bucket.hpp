@@ -9,9 +9,9 @@
 // view exists. Views are zero-copy: they point into the payload, which must outlive them.
 //
 // Thread safety: a BucketBuilder is not synchronized (one thread at a time, const members
-// included: encoded_manifest() keeps what it encodes). Builders of one thread share nothing
-// visible: a builder destroyed there leaves its storage and layout to the next one made there,
-// which uses them only while its entries repeat that layout. A BucketView is
+// included: encoded_manifest() keeps what it encodes). A builder destroyed on a thread leaves
+// its storage and layout to the next one made there, which uses the layout (and its encoding,
+// with its encoding_id()) only while its entries repeat it; nothing else of it shows. A BucketView is
 // immutable after open(); its const members are safe to call from many threads.
 #pragma once
 
@@ -132,7 +132,8 @@ class BucketBuilder {
   std::span<const std::byte> encoded_manifest() const;
 
   // Names the bytes encoded_manifest() returns but for the identity fields: a new value each
-  // time the builder encodes its manifest anew, the same while it only restamps it. A
+  // time the builder encodes its manifest anew, the same while it only restamps it (and in a
+  // new builder that repeated the last one's layout whole, whose encoding it took over). A
   // producer that already wrote these bytes into a slot rewrites only the identity fields.
   std::uint64_t encoding_id() const noexcept { return encoding_id_; }
 
@@ -153,7 +154,7 @@ class BucketBuilder {
  private:
   void append(std::string_view name, DType dtype, Shape&& shape);
   void take_leftovers();  // of the last builder destroyed on this thread
-  void stop_repeating() noexcept;
+  void stop_repeating();
   void restamp() noexcept;  // the identity fields into encoded_, when kept
   std::optional<std::size_t> find_entry(std::string_view name) const;  // its position in manifest_.entries
   void make_room_for_a_source();
