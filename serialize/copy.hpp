@@ -6,9 +6,10 @@
 // many 256 KiB tensors paid a read-for-ownership of every destination line (1.1-1.3x a single
 // memcpy of the same bytes; 1000 x 8 KiB and x 16 KiB handed off in 0.5-0.8x the time with
 // streaming from 4 MiB, bench/RESULTS.md, issue 21). On an Intel Xeon host glibc's memcpy,
-// which picks its routine per CPU, wrote 256 MiB faster than the streaming loop (issue 43).
-// So neither is fixed: a process times its first large packs with each and keeps the faster
-// (large_copies()).
+// which picks its routine per CPU, wrote 256 MiB faster than a sequential streaming loop; the
+// loop now reads several pages in turn with the CPU's widest stores, which beat it there
+// (issue 43). Neither is fixed: a process times its first large packs with each and keeps the
+// faster (large_copies()).
 #pragma once
 
 #include <chrono>
@@ -23,9 +24,8 @@ namespace tensorbucket::detail {
 
 inline constexpr std::uint64_t kStreamingBytes = 4u << 20;  // a payload past 4 MiB
 
-// Whether copies into `payload` should stream: large enough, 16-byte aligned (entries are
-// kPayloadAlignment-aligned from the payload's start), and streaming is this host's way (or
-// not yet measured against memcpy).
+// Whether copies into `payload` should stream: large enough, and streaming is this host's way
+// (or not yet measured against memcpy).
 bool streams(std::span<const std::byte> payload) noexcept;
 
 // How payloads past kStreamingBytes are copied in this process: "streaming" or "memcpy" once
@@ -35,8 +35,8 @@ bool streams(std::span<const std::byte> payload) noexcept;
 inline constexpr int kCopyTrials = 6;
 const char* large_copies() noexcept;
 
-// memcpy, or non-temporal stores when `streaming`. Streaming stores are weakly ordered: call
-// finish_streaming() after the last one and before publishing.
+// memcpy, or non-temporal stores when `streaming` (at any alignment). Streaming stores are
+// weakly ordered: call finish_streaming() after the last one and before publishing.
 void copy_bytes(std::byte* destination, const std::byte* source, std::size_t bytes,
                 bool streaming) noexcept;
 void finish_streaming() noexcept;
