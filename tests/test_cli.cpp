@@ -290,6 +290,18 @@ TEST_F(Cli, LiveChannelNameExitsSix) {
       << producer.err();
 }
 
+// A channel whose every consumer record is taken is a channel problem too, as in Python
+// (tensorbucket.ChannelError): the status follows the code's family (family_of).
+TEST_F(Cli, FullChannelExitsSix) {
+  PublisherOptions options;
+  options.max_consumers = 1;
+  auto publisher = Publisher::create(channel, options);
+  auto holder = Subscriber::attach(channel, 1s);
+  Tbucket consumer({"consume", "--channel", channel, "--timeout-ms", "500"});
+  EXPECT_EQ(consumer.finish(), 6);
+  EXPECT_NE(consumer.err().find("ChannelFull"), std::string::npos) << consumer.err();
+}
+
 // A symbolic link where a segment would be is never followed, and is a channel problem.
 TEST_F(Cli, SymbolicLinkAtTheChannelNameExitsSix) {
   auto link = "/dev/shm/tensorbucket." + channel;

@@ -19,36 +19,14 @@ enum ExitCode : int {
 };
 
 constexpr int exit_code_for(ErrorCode code) {
-  switch (code) {
-    case ErrorCode::InvalidArgument: return kUsage;  // a bad name or option value
-    case ErrorCode::MissingManifest:
-    case ErrorCode::MissingPayload:
-    case ErrorCode::HeaderCorrupt:
-    case ErrorCode::ManifestCorrupt:
-    case ErrorCode::ChecksumMismatch:
-    case ErrorCode::UnsupportedDtype:
-    case ErrorCode::BadName:
-    case ErrorCode::BadShape:
-    case ErrorCode::OutOfBounds:
-    case ErrorCode::Overlap:
-    case ErrorCode::Misaligned:
-    case ErrorCode::DuplicateName:
-    case ErrorCode::IncompleteGroup:
-    case ErrorCode::Unmaterialized:
-    case ErrorCode::ManifestMismatch:
-    case ErrorCode::Torn: return kVerificationFailed;
-    case ErrorCode::ProducerGone: return kProducerGone;
-    case ErrorCode::ChannelExists:
-    case ErrorCode::ChannelMissing:
-    case ErrorCode::PermissionDenied:
-    case ErrorCode::LocationMismatch: return kChannelUnavailable;
-    case ErrorCode::CudaUnavailable:
-    case ErrorCode::DeviceNotVisible:
-    case ErrorCode::CudaFailed: return kDeviceError;
-    case ErrorCode::NetworkError: return kNetworkError;
-    case ErrorCode::Unauthorized: return kUnauthorized;
-    case ErrorCode::ChannelFull:
-    case ErrorCode::SystemError: return kOtherError;
+  switch (family_of(code)) {
+    case ErrorFamily::Usage: return kUsage;  // a bad name or option value
+    case ErrorFamily::Verification: return kVerificationFailed;
+    case ErrorFamily::ProducerGone: return kProducerGone;
+    case ErrorFamily::Channel: return kChannelUnavailable;
+    case ErrorFamily::Device: return kDeviceError;
+    case ErrorFamily::Network: return code == ErrorCode::Unauthorized ? kUnauthorized : kNetworkError;
+    case ErrorFamily::System: return kOtherError;
   }
   return kOtherError;
 }

@@ -52,24 +52,24 @@ enum class ErrorCode : std::uint8_t {
 // The enumerator's name, e.g. "ChecksumMismatch".
 std::string_view to_string(ErrorCode code) noexcept;
 
-// True for the codes of a bucket that failed its checks (docs/format.md) or was torn while
-// read. A subscriber skips such a bucket; the next one may be fine. Every code is listed, not
-// a default: a new one must be placed here on purpose (the compiler names a missing one).
-constexpr bool failed_verification(ErrorCode code) noexcept {
+// What a caller does about an error, one family per code: the Python exception class, the
+// `tbucket` exit status and a subscriber's skipping all follow from it (each may tell a code
+// apart within its family, never move it to another).
+enum class ErrorFamily : std::uint8_t {
+  Usage,         // the caller's own mistake: fix the call
+  Verification,  // a bucket failed its checks (docs/format.md) or was torn: skip it, the next may be fine
+  ProducerGone,  // nothing more will come
+  Channel,       // the channel cannot be used as asked: missing, taken, full, forbidden, elsewhere
+  Device,        // CUDA: no driver or device, not this device, or a failed call
+  Network,       // a remote peer: unreachable, silent, broken, or without the token
+  System,        // the operating system refused
+};
+
+// Every code is listed, not a default: a new one must be placed on purpose (the compiler
+// names a missing one).
+constexpr ErrorFamily family_of(ErrorCode code) noexcept {
   switch (code) {
-    case ErrorCode::InvalidArgument:
-    case ErrorCode::ProducerGone:
-    case ErrorCode::ChannelExists:
-    case ErrorCode::ChannelMissing:
-    case ErrorCode::PermissionDenied:
-    case ErrorCode::ChannelFull:
-    case ErrorCode::SystemError:
-    case ErrorCode::CudaUnavailable:
-    case ErrorCode::DeviceNotVisible:
-    case ErrorCode::CudaFailed:
-    case ErrorCode::LocationMismatch:
-    case ErrorCode::NetworkError:
-    case ErrorCode::Unauthorized: return false;
+    case ErrorCode::InvalidArgument: return ErrorFamily::Usage;
     case ErrorCode::MissingManifest:
     case ErrorCode::MissingPayload:
     case ErrorCode::HeaderCorrupt:
@@ -85,9 +85,27 @@ constexpr bool failed_verification(ErrorCode code) noexcept {
     case ErrorCode::IncompleteGroup:
     case ErrorCode::Unmaterialized:
     case ErrorCode::ManifestMismatch:
-    case ErrorCode::Torn: return true;
+    case ErrorCode::Torn: return ErrorFamily::Verification;
+    case ErrorCode::ProducerGone: return ErrorFamily::ProducerGone;
+    case ErrorCode::ChannelExists:
+    case ErrorCode::ChannelMissing:
+    case ErrorCode::PermissionDenied:
+    case ErrorCode::ChannelFull:
+    case ErrorCode::LocationMismatch: return ErrorFamily::Channel;
+    case ErrorCode::CudaUnavailable:
+    case ErrorCode::DeviceNotVisible:
+    case ErrorCode::CudaFailed: return ErrorFamily::Device;
+    case ErrorCode::NetworkError:
+    case ErrorCode::Unauthorized: return ErrorFamily::Network;
+    case ErrorCode::SystemError: return ErrorFamily::System;
   }
-  return false;
+  return ErrorFamily::System;
+}
+
+// True for the codes of a bucket that failed its checks or was torn while read. A subscriber
+// skips such a bucket; the next one may be fine.
+constexpr bool failed_verification(ErrorCode code) noexcept {
+  return family_of(code) == ErrorFamily::Verification;
 }
 
 class Error : public std::runtime_error {

@@ -55,38 +55,16 @@ inline void register_errors(py::module_& m) {
     } catch (const Error& e) {
       auto code = to_string(e.code());
       auto raise = [&](const py::exception<Error>& type) { raise_as(type, code, e.what(), e.details()); };
-      switch (e.code()) {
-        case ErrorCode::ChecksumMismatch: raise(checksum_mismatch); return;
-        case ErrorCode::ProducerGone: raise(producer_gone); return;
-        case ErrorCode::ChannelExists:
-        case ErrorCode::ChannelMissing:
-        case ErrorCode::PermissionDenied:
-        case ErrorCode::ChannelFull:
-        case ErrorCode::LocationMismatch: raise(channel_error); return;
-        case ErrorCode::CudaUnavailable:
-        case ErrorCode::DeviceNotVisible:
-        case ErrorCode::CudaFailed: raise(device_error); return;
-        case ErrorCode::InvalidArgument: raise(invalid_argument); return;
-        case ErrorCode::NetworkError:
-        case ErrorCode::Unauthorized: raise(network_error); return;
-        case ErrorCode::SystemError: raise(error); return;
-        // Every way a bucket fails verification. Listed, not a default: a new code must be
-        // placed here on purpose (the compiler names a missing one).
-        case ErrorCode::MissingManifest:
-        case ErrorCode::MissingPayload:
-        case ErrorCode::HeaderCorrupt:
-        case ErrorCode::ManifestCorrupt:
-        case ErrorCode::UnsupportedDtype:
-        case ErrorCode::BadName:
-        case ErrorCode::BadShape:
-        case ErrorCode::OutOfBounds:
-        case ErrorCode::Overlap:
-        case ErrorCode::Misaligned:
-        case ErrorCode::DuplicateName:
-        case ErrorCode::IncompleteGroup:
-        case ErrorCode::Unmaterialized:
-        case ErrorCode::ManifestMismatch:
-        case ErrorCode::Torn: raise(manifest_error); return;
+      switch (family_of(e.code())) {
+        case ErrorFamily::Usage: raise(invalid_argument); return;
+        case ErrorFamily::Verification:
+          raise(e.code() == ErrorCode::ChecksumMismatch ? checksum_mismatch : manifest_error);
+          return;
+        case ErrorFamily::ProducerGone: raise(producer_gone); return;
+        case ErrorFamily::Channel: raise(channel_error); return;
+        case ErrorFamily::Device: raise(device_error); return;
+        case ErrorFamily::Network: raise(network_error); return;
+        case ErrorFamily::System: raise(error); return;
       }
     }
   });
