@@ -1,4 +1,4 @@
-// The tbucket exit statuses, a contract scripts rely on (README "Exit codes").
+// The tbucket exit statuses, a contract scripts rely on (docs/cli.md, "Exit codes").
 #pragma once
 
 #include "tensorbucket/error.hpp"
