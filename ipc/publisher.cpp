@@ -500,14 +500,9 @@ struct detail::PublisherState {
     if (slot.payload_layout == encoding_id) return;
     const auto& api = ipc::device_api();
     auto base = reinterpret_cast<ipc::DeviceAddress>(slot.storage.payload());
-    std::uint64_t written = 0;
-    for (const auto& entry : manifest.entries) {
-      if (entry.byte_offset > written) {
-        ipc::check_device(api.zero(base + written, entry.byte_offset - written, on), "cuMemsetD8Async");
-      }
-      written = entry.byte_offset + entry.byte_length;
-    }
-    if (payload_bytes > written) ipc::check_device(api.zero(base + written, payload_bytes - written, on), "cuMemsetD8Async");
+    detail::for_each_gap(manifest.entries, payload_bytes, [&](std::uint64_t offset, std::uint64_t bytes) {
+      ipc::check_device(api.zero(base + offset, bytes, on), "cuMemsetD8Async");
+    });
     slot.payload_layout = encoding_id;
   }
 
@@ -705,12 +700,9 @@ std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
     }
     // Zero the padding between entries, so no bytes of an older bucket travel in it. Only the
     // padding: zeroing a whole 256 MiB payload here evicted the caches the handoff then needed.
-    std::uint64_t written = 0;
-    for (const auto& entry : layout.manifest().entries) {
-      if (entry.byte_offset > written) std::memset(payload.data() + written, 0, entry.byte_offset - written);
-      written = entry.byte_offset + entry.byte_length;
-    }
-    std::memset(payload.data() + written, 0, payload_bytes - written);
+    detail::for_each_gap(layout.manifest().entries, payload_bytes, [&](std::uint64_t offset, std::uint64_t bytes) {
+      std::memset(payload.data() + offset, 0, bytes);
+    });
     state_->reservation_open = true;
     return Reservation(state_.get(), payload_bytes, layout.entry_spans(payload), detail::streams(payload));
   } catch (...) {

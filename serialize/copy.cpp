@@ -247,32 +247,29 @@ void pack(const BucketBuilder& bucket, std::span<std::byte> payload, NearEnd* ne
   auto turn = large(payload.first(payload_bytes)) ? LargeCopies::get().next() : LargeCopies::Turn{};
   bool streaming = turn.streaming;
   auto started = turn.trial ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
-  std::uint64_t written = 0;  // everything before this is packed or zeroed
-  std::uint64_t asked = 0;    // every line before this is asked for writing
-  for (std::size_t i = 0; i < entries.size(); ++i) {
+  std::uint64_t asked = 0;  // every line before this is asked for writing
+  auto zero = [&](std::uint64_t offset, std::uint64_t bytes) { std::memset(payload.data() + offset, 0, bytes); };
+  walk_payload(entries, payload_bytes, zero, [&](std::size_t i) {
     const auto& entry = entries[i];
-    auto end = entry.byte_offset + entry.byte_length;
     if (!streaming && entry.byte_length <= kAskAhead) {  // larger ones gained nothing, and 256 MiB lost 1.8x
-      asked = ask_for_writing(payload.first(payload_bytes), std::max(asked, entry.byte_offset), end + kAskAhead);
+      asked = ask_for_writing(payload.first(payload_bytes), std::max(asked, entry.byte_offset),
+                              entry.byte_offset + entry.byte_length + kAskAhead);
     }
-    if (entry.byte_offset > written) std::memset(payload.data() + written, 0, entry.byte_offset - written);
     auto* to = payload.data() + entry.byte_offset;
-    if (sources[i] == nullptr) {
-      // declared for in-place writing and empty (refused above otherwise): nothing to copy
-    } else if (near_end != nullptr && entry.byte_length > NearEnd::kPaceBytes) {
+    if (sources[i] == nullptr) return;  // declared for in-place writing and empty (refused above otherwise)
+    if (near_end != nullptr && entry.byte_length > NearEnd::kPaceBytes) {
       copy_paced(to, sources[i], entry.byte_length, streaming, *near_end);
-    } else {  // one piece, without a call per entry when not streaming: 1000 small entries add up
-      if (near_end != nullptr) near_end->starting();
-      if (streaming) {
-        copy_bytes(to, sources[i], entry.byte_length, true);
-      } else {
-        std::memcpy(to, sources[i], entry.byte_length);
-      }
-      if (near_end != nullptr) near_end->copied(entry.byte_length);
+      return;
     }
-    written = end;
-  }
-  std::memset(payload.data() + written, 0, payload_bytes - written);
+    // One piece, without a call per entry when not streaming: 1000 small entries add up.
+    if (near_end != nullptr) near_end->starting();
+    if (streaming) {
+      copy_bytes(to, sources[i], entry.byte_length, true);
+    } else {
+      std::memcpy(to, sources[i], entry.byte_length);
+    }
+    if (near_end != nullptr) near_end->copied(entry.byte_length);
+  });
   if (streaming) finish_streaming();
   if (turn.trial) {
     auto took = std::chrono::steady_clock::now() - started;

@@ -72,6 +72,26 @@ class NearEnd {
 void copy_paced(std::byte* destination, const std::byte* source, std::size_t bytes, bool streaming,
                 NearEnd& near_end) noexcept;
 
+// Walks a payload of `payload_bytes` laid out as `entries` (in payload order, as a builder lays
+// them out): `gap(offset, bytes)` for the padding before each entry and after the last, which
+// must be zeroed so that no bytes of an older bucket travel in it, and `entry(index)` after the
+// gap before entry `index`. The one walker of the padding, for host and device payloads alike.
+template <class Gap, class Entry>
+void walk_payload(std::span<const ManifestEntry> entries, std::uint64_t payload_bytes, Gap&& gap, Entry&& entry) {
+  std::uint64_t end = 0;  // of the last entry
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    if (entries[i].byte_offset > end) gap(end, entries[i].byte_offset - end);
+    entry(i);
+    end = entries[i].byte_offset + entries[i].byte_length;
+  }
+  if (payload_bytes > end) gap(end, payload_bytes - end);
+}
+
+template <class Gap>
+void for_each_gap(std::span<const ManifestEntry> entries, std::uint64_t payload_bytes, Gap&& gap) {
+  walk_payload(entries, payload_bytes, gap, [](std::size_t) {});
+}
+
 // BucketBuilder::pack_into() into a payload the caller sized: copies every entry, zeroes the
 // padding, and tells `near_end` (when given; its total is the entries' bytes) what it copied.
 void pack(const BucketBuilder& bucket, std::span<std::byte> payload, NearEnd* near_end = nullptr);
