@@ -16,15 +16,8 @@
 
 namespace tensorbucket::net {
 namespace detail {
-namespace {
 
 using namespace std::chrono_literals;
-
-constexpr auto kCloseLimit = 1s;
-// A payload under way may take its size at this rate on top of the idle timeout.
-constexpr double kSlowestBytesPerMs = 10e3;  // 10 MB/s
-
-}  // namespace
 
 // An acknowledgement under way: a list entry, so its bytes never move.
 struct PendingAck {
@@ -57,11 +50,16 @@ struct RemoteState {
     for (auto& pending : acks) pending.request.cancel();  // while the worker lives; the bytes go after it
   }
 
-  [[noreturn]] void lost(const std::string& why) {
+  // The link is not trusted further: closed, and every later call says so.
+  void drop() noexcept {
     broken = true;
     detail::close(worker, endpoint, kCloseLimit);
-    throw Error(ErrorCode::NetworkError, "link to " + address + ": " + why);
   }
+  [[noreturn]] void drop(ErrorCode code, const std::string& message) {
+    drop();
+    throw Error(code, message);
+  }
+  [[noreturn]] void lost(const std::string& why) { drop(ErrorCode::NetworkError, "link to " + address + ": " + why); }
 
   // Throws NetworkError when the link failed.
   void check_link() {
@@ -71,11 +69,10 @@ struct RemoteState {
   // A refusal at the front door: Unauthorized for a wrong token (trying again will not help),
   // else NetworkError (the server was full, or this side too slow).
   [[noreturn]] void refused(std::span<const std::byte> message) {
-    broken = true;
     std::string why = message.size() > 1 ? std::string(reinterpret_cast<const char*>(message.data()) + 1, message.size() - 1)
                                          : "no reason given";
     bool wrong_token = !message.empty() && message[0] == static_cast<std::byte>(Refusal::WrongToken);
-    throw Error(wrong_token ? ErrorCode::Unauthorized : ErrorCode::NetworkError, "refused by " + address + ": " + why);
+    drop(wrong_token ? ErrorCode::Unauthorized : ErrorCode::NetworkError, "refused by " + address + ": " + why);
   }
 
   // The next message of `kind` taken whole into `into` (resized to it), waiting until `until`;
@@ -139,10 +136,7 @@ struct RemoteState {
   template <class Ended>
   [[noreturn]] void rethrow_once_ended(Ended ended) {
     bool news = !broken;
-    if (news) {
-      broken = true;
-      detail::close(worker, endpoint, kCloseLimit);
-    }
+    if (news) drop();
     auto until = Clock::now() + kCloseLimit;
     while (!ended() && Clock::now() < until) worker.progress();
     try {
@@ -222,14 +216,12 @@ struct RemoteState {
     Welcome welcome{};
     std::memcpy(&welcome, bytes.data(), sizeof welcome);
     if (!same_digest(welcome.proof, server_proof(token, proof.nonce, key))) {
-      broken = true;
-      throw Error(ErrorCode::Unauthorized, address + " did not prove it holds the token");
+      drop(ErrorCode::Unauthorized, address + " did not prove it holds the token");
     }
     std::string_view served(welcome.channel.data(), std::min<std::size_t>(welcome.channel_bytes, welcome.channel.size()));
     if (!options.channel.empty() && served != options.channel) {
-      broken = true;
-      throw Error(ErrorCode::ChannelMissing, address + " serves channel '" + std::string(served) + "', not '" +
-                                                 options.channel + "'");
+      drop(ErrorCode::ChannelMissing,
+           address + " serves channel '" + std::string(served) + "', not '" + options.channel + "'");
     }
     channel = served;
     bytes = door_message_in(link, reader, DoorKind::Address, "worker address", 1, kMaxWorkerAddress, until);
@@ -264,8 +256,7 @@ struct RemoteState {
   // most, and hashed as soon as it is in, while the next ones travel. Each chunk has
   // idle_timeout (and its size at 10 MB/s) to come.
   std::uint64_t receive_payload(std::span<std::byte> payload, std::uint64_t chunk_bytes) {
-    constexpr std::uint64_t kMinChunk = 64 << 10, kMaxChunk = 1ull << 30;
-    if (chunk_bytes < kMinChunk || chunk_bytes > kMaxChunk) lost("chunks of " + std::to_string(chunk_bytes) + " bytes");
+    if (chunk_bytes < kMinChunkBytes || chunk_bytes > kMaxChunkBytes) lost("chunks of " + std::to_string(chunk_bytes) + " bytes");
     auto allowance = std::chrono::milliseconds(static_cast<std::int64_t>(chunk_bytes / kSlowestBytesPerMs));
     auto chunk_at = [&](std::uint64_t at) { return payload.subspan(at, std::min(chunk_bytes, payload.size() - at)); };
     ChunkedHash hash(chunk_count(payload.size(), chunk_bytes));
@@ -323,14 +314,14 @@ struct RemoteState {
     return inbox->span().first(length);
   }
 
-  std::optional<RemoteBucket> next(Clock::time_point until, const VerifyOptions& verify, const PayloadPlace& place) {
-    if (broken) throw Error(ErrorCode::NetworkError, "link to " + address + " is closed: connect again");
-    constexpr std::size_t kMaxFrame = sizeof(BucketHeader) + kMaxManifestBytes;
+  // The next Bucket message, taken whole into the inbox by `until` (heartbeats and finished
+  // acknowledgements cleared on the way); empty at `until`.
+  std::span<std::byte> take_announce(Clock::time_point until) {
     // A payload that comes whole is one chunk at most, and within max_bucket_bytes before any
     // memory is taken for it.
     const std::size_t max_message =
-        sizeof(BucketAnnounce) + kMaxFrame + kPayloadAlignment + std::min(kChunkBytes, options.max_bucket_bytes);
-    std::span<std::byte> received;  // the Bucket message
+        sizeof(BucketAnnounce) + kMaxFrameBytes + kPayloadAlignment + std::min(kChunkBytes, options.max_bucket_bytes);
+    std::span<std::byte> received;
     for (;;) {
       try {
         acks.remove_if([](PendingAck& pending) { return pending.request.done(); });
@@ -340,18 +331,23 @@ struct RemoteState {
       skip_heartbeats();
       if (take(Kind::Bucket, max_message, std::min(until, Clock::now() + 50ms),
                [&](std::size_t length) { return received = inbox_room(length); })) {
-        break;
+        return received;
       }
       silent_too_long();
-      if (Clock::now() >= until) return std::nullopt;
+      if (Clock::now() >= until) return {};
     }
+  }
+
+  // The announce at the start of a Bucket message, its every field checked against the message
+  // and against what this side took before.
+  BucketAnnounce read_announce(std::span<const std::byte> received) {
     BucketAnnounce announce{};
     if (received.size() < sizeof announce) lost("a malformed bucket announce");
     std::memcpy(&announce, received.data(), sizeof announce);
     bool whole = announce.chunk_bytes == 0;
-    auto frame_end = sizeof announce + std::min<std::uint64_t>(announce.frame_bytes, kMaxFrame);
+    auto frame_end = sizeof announce + std::min<std::uint64_t>(announce.frame_bytes, kMaxFrameBytes);
     bool well_formed =
-        announce.ordinal == ordinal + 1 && announce.frame_bytes <= kMaxFrame &&
+        announce.ordinal == ordinal + 1 && announce.frame_bytes <= kMaxFrameBytes &&
         (whole ? announce.payload_bytes <= kChunkBytes &&
                      announce.whole_offset == (frame_end + kPayloadAlignment - 1) / kPayloadAlignment * kPayloadAlignment &&
                      announce.whole_offset <= received.size() && received.size() - announce.whole_offset == announce.payload_bytes
@@ -369,89 +365,116 @@ struct RemoteState {
     if (last && last->first == announce.incarnation && announce.sequence <= last->second) {
       lost("bucket " + std::to_string(announce.sequence) + " came after bucket " + std::to_string(last->second));
     }
-    auto frame = std::span<const std::byte>(received).subspan(sizeof announce, announce.frame_bytes);
-    std::span<std::byte> payload;
-    if (place && announce.payload_bytes > 0) {
-      std::span<std::byte> given;
-      try {
-        given = place(announce.payload_bytes, frame);
-      } catch (...) {
-        broken = true;  // the payload stays unread on the link
-        detail::close(worker, endpoint, kCloseLimit);
-        throw;
-      }
-      if (given.size() >= announce.payload_bytes) payload = given.first(announce.payload_bytes);
-    }
-    std::shared_ptr<void> owner;  // none when the payload is the caller's
-    std::uint64_t hash = 0, sent_hash = 0;
-    if (whole) {
-      auto came = received.subspan(announce.whole_offset);
-      if (payload.empty()) {
-        payload = came;
-        owner = inbox;
-      } else {
-        std::memcpy(payload.data(), came.data(), came.size());
-      }
-      hash = hash_as_one_chunk(payload);
-      sent_hash = announce.whole_hash;
-    } else {
-      if (payload.empty()) {
-        if (!buffer || buffer.use_count() != 1 || buffer->size() < announce.payload_bytes) {
-          buffer.reset();  // before the new one: two of the largest buckets need not fit at once
-          try {
-            buffer = std::make_shared<AlignedBuffer>(announce.payload_bytes);
-          } catch (const std::bad_alloc&) {
-            lost("no memory for a payload of " + std::to_string(announce.payload_bytes) + " bytes");
-          }
-        }
-        payload = buffer->span().first(announce.payload_bytes);
-        owner = buffer;
-      }
-      hash = receive_payload(payload, announce.chunk_bytes);
-      // serve may still be hashing (on a thread of its own, with a link faster than its
-      // hash); its heartbeats meanwhile keep the link, as between buckets. Not for longer than
-      // the payload itself may take: a server that only sends heartbeats must not hold this
-      // side (and the slot it reserved) for good.
-      auto allowance = std::chrono::milliseconds(static_cast<std::int64_t>(payload.size() / kSlowestBytesPerMs));
-      auto hash_due = Clock::now() + options.idle_timeout + allowance;
-      std::vector<std::byte> hash_message;
-      while (!take(Kind::PayloadHash, hash_message, sizeof sent_hash, Clock::now() + 50ms)) {
-        skip_heartbeats();
-        silent_too_long();
-        if (Clock::now() > hash_due) {
-          lost("no payload hash within " + std::to_string((options.idle_timeout + allowance).count()) +
-               " ms of the payload");
-        }
-      }
-      if (hash_message.size() != sizeof sent_hash) lost("a malformed payload hash");
-      std::memcpy(&sent_hash, hash_message.data(), sizeof sent_hash);
-    }
-    if (hash != sent_hash) {
-      broken = true;
-      detail::close(worker, endpoint, kCloseLimit);
-      throw Error(ErrorCode::ChecksumMismatch, "bucket " + std::to_string(announce.sequence) + " from " + address +
-                                                   ": payload hash does not match the one sent with it");
-    }
-    std::optional<BucketView> view;
+    return announce;
+  }
+
+  // Where the caller's `place` puts the payload; empty for this side's own memory.
+  std::span<std::byte> placed(const PayloadPlace& place, std::uint64_t payload_bytes, std::span<const std::byte> frame) {
+    if (!place || payload_bytes == 0) return {};
+    std::span<std::byte> given;
     try {
-      view = BucketView::open(frame, payload, verify, &cache);
-    } catch (const Error&) {
-      broken = true;
-      detail::close(worker, endpoint, kCloseLimit);
+      given = place(payload_bytes, frame);
+    } catch (...) {
+      drop();  // the payload stays unread on the link
       throw;
     }
-    ordinal = announce.ordinal;
-    last = {announce.incarnation, announce.sequence};
+    return given.size() >= payload_bytes ? given.first(payload_bytes) : std::span<std::byte>();
+  }
+
+  // A payload's bytes, whole in the message or in chunks after it, and the hash computed of
+  // them beside the one the server sent.
+  struct Payload {
+    std::span<std::byte> bytes;
+    std::shared_ptr<void> owner;  // none when the bytes are the caller's
+    std::uint64_t hash = 0, sent_hash = 0;
+  };
+
+  Payload take_payload(const BucketAnnounce& announce, std::span<std::byte> received, std::span<std::byte> into) {
+    Payload payload{into, nullptr};
+    if (announce.chunk_bytes == 0) {  // whole, in the message
+      auto came = received.subspan(announce.whole_offset);
+      if (payload.bytes.empty()) {
+        payload.bytes = came;
+        payload.owner = inbox;
+      } else {
+        std::memcpy(payload.bytes.data(), came.data(), came.size());
+      }
+      payload.hash = hash_as_one_chunk(payload.bytes);
+      payload.sent_hash = announce.whole_hash;
+      return payload;
+    }
+    if (payload.bytes.empty()) {
+      if (!buffer || buffer.use_count() != 1 || buffer->size() < announce.payload_bytes) {
+        buffer.reset();  // before the new one: two of the largest buckets need not fit at once
+        try {
+          buffer = std::make_shared<AlignedBuffer>(announce.payload_bytes);
+        } catch (const std::bad_alloc&) {
+          lost("no memory for a payload of " + std::to_string(announce.payload_bytes) + " bytes");
+        }
+      }
+      payload.bytes = buffer->span().first(announce.payload_bytes);
+      payload.owner = buffer;
+    }
+    payload.hash = receive_payload(payload.bytes, announce.chunk_bytes);
+    payload.sent_hash = take_payload_hash(payload.bytes.size());
+    return payload;
+  }
+
+  // The hash serve sends after a payload's chunks. serve may still be hashing (on a thread of
+  // its own, with a link faster than its hash); its heartbeats meanwhile keep the link, as
+  // between buckets. Not for longer than the payload itself may take: a server that only sends
+  // heartbeats must not hold this side (and the slot it reserved) for good.
+  std::uint64_t take_payload_hash(std::uint64_t payload_bytes) {
+    auto allowance = std::chrono::milliseconds(static_cast<std::int64_t>(payload_bytes / kSlowestBytesPerMs));
+    auto hash_due = Clock::now() + options.idle_timeout + allowance;
+    std::vector<std::byte> hash_message;
+    while (!take(Kind::PayloadHash, hash_message, sizeof(std::uint64_t), Clock::now() + 50ms)) {
+      skip_heartbeats();
+      silent_too_long();
+      if (Clock::now() > hash_due) {
+        lost("no payload hash within " + std::to_string((options.idle_timeout + allowance).count()) + " ms of the payload");
+      }
+    }
+    std::uint64_t sent_hash = 0;
+    if (hash_message.size() != sizeof sent_hash) lost("a malformed payload hash");
+    std::memcpy(&sent_hash, hash_message.data(), sizeof sent_hash);
+    return sent_hash;
+  }
+
+  // Tells the server this bucket was taken. Should the send fail, the bucket (verified) is
+  // still handed out; the next call says the link is gone.
+  void acknowledge() {
     auto& pending = acks.emplace_back();
     pending.ack.ordinal = ordinal;
     try {
       pending.request = send(worker.get(), endpoint.ep, std::as_bytes(std::span(&pending.ack, 1)), tag(Kind::Ack, key));
     } catch (const Error&) {
-      // The bucket is verified and is handed out; the next call says the link is gone.
-      broken = true;
-      detail::close(worker, endpoint, kCloseLimit);
+      drop();
     }
-    return RemoteBucket(std::move(*view), announce.sequence, announce.incarnation, std::move(owner));
+  }
+
+  std::optional<RemoteBucket> next(Clock::time_point until, const VerifyOptions& verify, const PayloadPlace& place) {
+    if (broken) throw Error(ErrorCode::NetworkError, "link to " + address + " is closed: connect again");
+    auto received = take_announce(until);
+    if (received.empty()) return std::nullopt;
+    auto announce = read_announce(received);
+    auto frame = std::span<const std::byte>(received).subspan(sizeof announce, announce.frame_bytes);
+    auto payload = take_payload(announce, received, placed(place, announce.payload_bytes, frame));
+    if (payload.hash != payload.sent_hash) {
+      drop(ErrorCode::ChecksumMismatch, "bucket " + std::to_string(announce.sequence) + " from " + address +
+                                            ": payload hash does not match the one sent with it");
+    }
+    std::optional<BucketView> view;
+    try {
+      view = BucketView::open(frame, payload.bytes, verify, &cache);
+    } catch (const Error&) {
+      drop();
+      throw;
+    }
+    ordinal = announce.ordinal;
+    last = {announce.incarnation, announce.sequence};
+    acknowledge();
+    return RemoteBucket(std::move(*view), announce.sequence, announce.incarnation, std::move(payload.owner));
   }
 };
 

@@ -25,6 +25,7 @@
 #include "socket.hpp"
 #include "ucx.hpp"
 #include "wire.hpp"
+#include "wire_fault.hpp"
 
 namespace tensorbucket::net {
 namespace detail {
@@ -36,10 +37,8 @@ constexpr auto kProofTimeout = 3s;       // at the front door: to prove the toke
 constexpr std::size_t kMaxPending = 8;   // connections at the front door
 constexpr int kAcceptsPerTurn = 64;      // connections taken off the listening socket per look
 constexpr auto kHeartbeatEvery = 500ms;  // to an idle peer, so that it can tell a dead link
-constexpr auto kCloseLimit = 1s;
 constexpr auto kRefusalGrace = 1s;       // for a refusal to reach its peer before the connection closes
 constexpr auto kLocalSlice = 1ms;        // a wait on the local channel, between network looks
-constexpr double kSlowestBytesPerMs = 10e3;  // a bucket's payload may take its size at 10 MB/s
 // A relay turned away retries every 2 s, and anyone who can reach the port can connect: one
 // line per this long, with a count of the ones it passed over, keeps the log readable. So for
 // refusals at the front door, which any connection can provoke.
@@ -187,10 +186,8 @@ struct ServerState {
   Subscriber subscriber;
   // Buffers UCX may still write into until the worker is gone: declared before it.
   std::vector<std::byte> staged;                         // a device bucket's payload, on the host
-#ifdef TENSORBUCKET_WIRE_FAULT
-  std::vector<std::byte> flipped;                        // the payload with a byte flipped
-  bool withhold_hash = false;                            // the current payload's hash is not sent
-#endif
+  std::vector<std::byte> flipped;                        // the payload with a byte flipped (wire_fault.hpp)
+  WireFault fault;                                       // of the current bucket: none but in a test build
   std::array<std::byte, 64> discard{};                   // what hear() throws away; never read
   std::list<Lingering> lingering;                        // receives hear() gave up on
   Worker worker;
@@ -477,30 +474,8 @@ struct ServerState {
       payload = staged;
     }
     auto frame = view.frame();
-    on_wire = payload;
-#ifdef TENSORBUCKET_WIRE_FAULT
-    // Test builds only (tests/meson.build): one payload byte of the bucket whose sequence
-    // TBUCKET_WIRE_FAULT names flips on the wire, after the server hashed it; with
-    // "padding:" before the sequence, a byte between the frame and a whole payload is set;
-    // with "nohash:", the hash of a payload in chunks is never sent (heartbeats go on).
-    const char* asked = std::getenv("TBUCKET_WIRE_FAULT");
-    std::string_view fault = asked != nullptr ? asked : "";
-    std::string_view how;
-    for (std::string_view prefix : {"padding:", "nohash:"}) {
-      if (fault.starts_with(prefix)) {
-        how = prefix;
-        fault.remove_prefix(prefix.size());
-      }
-    }
-    bool faulty = fault == std::to_string(bucket.sequence());
-    bool bad_padding = faulty && how == "padding:";
-    withhold_hash = faulty && how == "nohash:";
-    if (faulty && how.empty() && !payload.empty()) {
-      flipped.assign(payload.begin(), payload.end());
-      flipped[flipped.size() / 2] ^= std::byte{1};
-      on_wire = flipped;
-    }
-#endif
+    fault = WireFault::for_bucket(bucket.sequence());
+    on_wire = fault.on_wire(payload, flipped);
     BucketAnnounce announce{0, bucket.sequence(), bucket.incarnation(), payload.size(), frame.size(), kChunkBytes, 0, 0};
     auto message_bytes = sizeof announce + frame.size();
     bool whole = payload.size() <= kChunkBytes;
@@ -524,11 +499,9 @@ struct ServerState {
       if (whole) {
         std::memset(at + sizeof announce + frame.size(), 0, announce.whole_offset - sizeof announce - frame.size());
         if (!on_wire.empty()) std::memcpy(at + announce.whole_offset, on_wire.data(), on_wire.size());
-#ifdef TENSORBUCKET_WIRE_FAULT
-        if (bad_padding && announce.whole_offset > sizeof announce + frame.size()) {
+        if (fault.bad_padding() && announce.whole_offset > sizeof announce + frame.size()) {
           at[announce.whole_offset - 1] = std::byte{1};
         }
-#endif
       }
       try {
         peer.bucket_sends.push_back(send(worker.get(), peer.endpoint.ep, peer.announce, tag(Kind::Bucket)));
@@ -560,9 +533,7 @@ struct ServerState {
       if (peer.posted == on_wire.size() && peer.bucket_sends.size() < kChunksInFlight) {
         const auto* hash = payload_hash.ready();
         if (hash == nullptr) continue;  // still hashing: a later turn sends it
-#ifdef TENSORBUCKET_WIRE_FAULT
-        if (withhold_hash) continue;
-#endif
+        if (fault.withhold_hash()) continue;
         send_or_fail(peer, std::as_bytes(std::span(hash, 1)), Kind::PayloadHash);
         peer.taking = false;
       }

@@ -6,6 +6,7 @@
 
 #include <array>
 #include <bit>
+#include <chrono>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -55,7 +56,17 @@ struct BucketAnnounce {
 // chunks and checked by the peer, is the xxh3 of the chunks' xxh3s in order; ChunkedHash
 // computes it a chunk at a time.
 inline constexpr std::uint64_t kChunkBytes = 1ull << 20;
+inline constexpr std::uint64_t kMinChunkBytes = 64 << 10, kMaxChunkBytes = 1ull << 30;  // what a relay accepts
 inline constexpr std::size_t kChunksInFlight = 8;  // per peer, sent and not yet received
+
+// The largest frame a Bucket message carries: a header and the largest manifest.
+inline constexpr std::size_t kMaxFrameBytes = sizeof(BucketHeader) + kMaxManifestBytes;
+
+// What both ends allow the other: a payload under way may take its size at this rate on top of
+// the idle timeout (serve's peer timeout, the relay's idle timeout), and a closing link this long
+// to flush what it owes.
+inline constexpr double kSlowestBytesPerMs = 10e3;  // 10 MB/s
+inline constexpr std::chrono::milliseconds kCloseLimit{1000};
 
 class ChunkedHash {
  public:
