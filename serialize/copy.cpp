@@ -12,6 +12,7 @@
 #include <limits>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "text.hpp"
 
@@ -96,11 +97,11 @@ class LargeCopies {
 };
 
 #if defined(__x86_64__)
-// Non-temporal copies of `lines` 64-byte lines from each of `pages` 4 KiB pages, a line of every
-// page in turn: reading several pages at once keeps more of them in flight from memory than one
-// sequential stream does (on the Intel Xeon host of issue 43, 8 pages in turn with AVX-512
-// stores wrote 256 MiB at 0.92x glibc's memcpy, where one stream of SSE2 stores took 1.2x).
-// `to` is 64-byte aligned. One routine per vector width, chosen once for the CPU.
+// Non-temporal copies of `lines` 64-byte lines from each of `pages` 4 KiB blocks (counted from
+// `to`), a line of every block in turn: reading several pages at once keeps more of them in
+// flight from memory than one sequential stream does (on the Intel Xeon host of issue 43, 8 in
+// turn with AVX-512 stores wrote 256 MiB at 0.92x glibc's memcpy, where one stream of SSE2
+// stores took 1.2x). `to` is 64-byte aligned. One routine per vector width.
 using StreamLines = void (*)(std::byte* to, const std::byte* from, std::size_t lines, std::size_t pages);
 constexpr std::size_t kPage = 4096, kLine = 64, kPagesInTurn = 8;
 
@@ -141,18 +142,25 @@ void stream_lines_sse2(std::byte* to, const std::byte* from, std::size_t lines, 
   }
 }
 
-StreamLines stream_lines_for_this_cpu() noexcept {
-  if (__builtin_cpu_supports("avx512f")) return stream_lines_avx512;
-  if (__builtin_cpu_supports("avx2")) return stream_lines_avx2;
-  return stream_lines_sse2;
+struct Routine {
+  std::string_view name;
+  StreamLines lines;
+  bool runs;  // on this CPU (and this OS: __builtin_cpu_supports checks that it saves the registers)
+};
+
+// Widest first.
+const std::array<Routine, 3>& routines() noexcept {
+  static const std::array<Routine, 3> all{Routine{"avx512", stream_lines_avx512, __builtin_cpu_supports("avx512f") != 0},
+                                          Routine{"avx2", stream_lines_avx2, __builtin_cpu_supports("avx2") != 0},
+                                          Routine{"sse2", stream_lines_sse2, true}};
+  return all;
 }
 
-void stream(std::byte* destination, const std::byte* source, std::size_t bytes) noexcept {
-  static const StreamLines stream_lines = stream_lines_for_this_cpu();
-  // Up to the destination's first 64-byte boundary with ordinary stores (none for an entry: they
-  // start kPayloadAlignment-aligned in a page-aligned payload).
+void stream(StreamLines stream_lines, std::byte* destination, const std::byte* source, std::size_t bytes) noexcept {
+  // Up to the destination's first 64-byte boundary with ordinary stores (none where the
+  // destination is 64-byte aligned, as every entry of a slot's page-aligned payload is).
   auto head = std::min(bytes, (kLine - reinterpret_cast<std::uintptr_t>(destination) % kLine) % kLine);
-  std::memcpy(destination, source, head);
+  if (head != 0) std::memcpy(destination, source, head);
   std::size_t done = head;
   while (bytes - done >= kPage) {
     auto pages = std::min(kPagesInTurn, (bytes - done) / kPage);
@@ -162,7 +170,17 @@ void stream(std::byte* destination, const std::byte* source, std::size_t bytes) 
   auto lines = (bytes - done) / kLine;
   stream_lines(destination + done, source + done, lines, 1);
   done += lines * kLine;
-  std::memcpy(destination + done, source + done, bytes - done);
+  if (done != bytes) std::memcpy(destination + done, source + done, bytes - done);
+}
+
+StreamLines widest() noexcept {
+  static const StreamLines lines = [] {
+    for (const auto& routine : routines()) {
+      if (routine.runs) return routine.lines;
+    }
+    return stream_lines_sse2;
+  }();
+  return lines;
 }
 #endif
 
@@ -177,10 +195,29 @@ bool streams(std::span<const std::byte> payload) noexcept {
 void copy_bytes(std::byte* destination, const std::byte* source, std::size_t bytes,
                 bool streaming) noexcept {
 #if defined(__x86_64__)
-  if (streaming) return stream(destination, source, bytes);
+  if (streaming) return stream(widest(), destination, source, bytes);
 #endif
   static_cast<void>(streaming);
   std::memcpy(destination, source, bytes);
+}
+
+std::vector<std::string_view> streaming_routines() {
+  std::vector<std::string_view> names;
+#if defined(__x86_64__)
+  for (const auto& routine : routines()) {
+    if (routine.runs) names.push_back(routine.name);
+  }
+#endif
+  return names;
+}
+
+void stream_with(std::string_view routine, std::byte* destination, const std::byte* source, std::size_t bytes) {
+#if defined(__x86_64__)
+  for (const auto& known : routines()) {
+    if (known.name == routine && known.runs) return stream(known.lines, destination, source, bytes);
+  }
+#endif
+  text::fail(ErrorCode::InvalidArgument, "no streaming routine ", text::Quoted{routine}, " on this CPU");
 }
 
 void finish_streaming() noexcept {
@@ -223,7 +260,7 @@ namespace {
 // before them. Into a slot last written two publishes ago (out of L2), 1000 x 1 KiB packed in
 // 0.9x the time alone, 0.96x within a whole publish(); from 4 KiB entries on it made no
 // difference, and asking for a whole large entry before copying it is slower (bench/RESULTS.md,
-// issue 43). Offsets are multiples of 64 (kPayloadAlignment).
+// issue 43). Entry offsets are multiples of kPayloadAlignment (256), so of a line.
 constexpr std::uint64_t kAskAhead = 2048;
 
 std::uint64_t ask_for_writing(std::span<std::byte> payload, std::uint64_t from, std::uint64_t to) noexcept {
@@ -247,7 +284,7 @@ void pack(const BucketBuilder& bucket, std::span<std::byte> payload, NearEnd* ne
   auto turn = large(payload.first(payload_bytes)) ? LargeCopies::get().next() : LargeCopies::Turn{};
   bool streaming = turn.streaming;
   auto started = turn.trial ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
-  std::uint64_t asked = 0;  // every line before this is asked for writing
+  std::uint64_t asked = 0;  // how far the lines were asked for (those of large entries never are)
   auto zero = [&](std::uint64_t offset, std::uint64_t bytes) { std::memset(payload.data() + offset, 0, bytes); };
   walk_payload(entries, payload_bytes, zero, [&](std::size_t i) {
     const auto& entry = entries[i];

@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <string_view>
+#include <vector>
 
 #include "tensorbucket/bucket.hpp"
 
@@ -40,6 +42,12 @@ const char* large_copies() noexcept;
 void copy_bytes(std::byte* destination, const std::byte* source, std::size_t bytes,
                 bool streaming) noexcept;
 void finish_streaming() noexcept;
+
+// The streaming routines this CPU runs, widest first ("avx512", "avx2", "sse2"; none but on
+// x86-64): copy_bytes() streams with the first. stream_with() copies with the one named, so
+// that tests check each (InvalidArgument for one this CPU does not run).
+std::vector<std::string_view> streaming_routines();
+void stream_with(std::string_view routine, std::byte* destination, const std::byte* source, std::size_t bytes);
 
 // Calls `wake` once, when a copy of `total` bytes is due to end within `lead`, judged from its
 // pace since the first piece (the clock is read every kPaceBytes: copy_paced() cuts larger

@@ -263,9 +263,10 @@ TEST(Copy, NearEndWakesOnceWithinItsLead) {
   EXPECT_EQ(to, from);
 }
 
-// A streaming copy (pages in turn, with the CPU's widest stores) writes every byte of any length
-// to any alignment, and nothing around it: heads before the first 64-byte boundary, groups of
-// fewer pages than a full turn, lines and bytes past the last page.
+// A streaming copy (pages in turn), with each routine this CPU runs and with the one copy_bytes()
+// picks, writes every byte of any length to any alignment, and nothing around it: heads before
+// the first 64-byte boundary, groups of fewer pages than a full turn, lines and bytes past the
+// last page. Off x86-64 there is no routine, and copy_bytes() copies with memcpy.
 TEST(Copy, StreamingCopiesEveryByteAtAnyAlignmentAndNothingElse) {
   constexpr std::size_t kPage = 4096, kGuard = 256;
   const std::size_t lengths[] = {0, 1, 63, 64, 65, 200, kPage - 1, kPage, kPage + 1, 3 * kPage + 64,
@@ -273,21 +274,34 @@ TEST(Copy, StreamingCopiesEveryByteAtAnyAlignmentAndNothingElse) {
   std::vector<std::byte> from((1u << 20) + 5 + 64);
   for (std::size_t i = 0; i < from.size(); ++i) from[i] = static_cast<std::byte>(i * 131 + i / 251);
   AlignedBuffer to(from.size() + 2 * kGuard);
-  for (auto length : lengths) {
-    for (std::size_t to_offset : {0u, 1u, 16u, 61u}) {
-      for (std::size_t from_offset : {0u, 7u}) {
-        std::fill(to.span().begin(), to.span().end(), std::byte{0xee});
-        auto* destination = to.span().data() + kGuard + to_offset;
-        detail::copy_bytes(destination, from.data() + from_offset, length, true);
-        detail::finish_streaming();
-        auto where = "length " + std::to_string(length) + ", to +" + std::to_string(to_offset) + ", from +" +
-                     std::to_string(from_offset);
-        ASSERT_TRUE(std::equal(destination, destination + length, from.data() + from_offset)) << where;
-        auto untouched = [](auto first, auto last) {
-          return std::all_of(first, last, [](std::byte b) { return b == std::byte{0xee}; });
-        };
-        ASSERT_TRUE(untouched(to.span().data(), destination)) << where;
-        ASSERT_TRUE(untouched(destination + length, to.span().data() + to.span().size())) << where;
+  auto routines = detail::streaming_routines();  // every one this CPU runs, and the one copy_bytes() picks
+#if defined(__x86_64__)
+  ASSERT_FALSE(routines.empty());
+  EXPECT_EQ(routines.back(), "sse2");  // every x86-64 CPU runs it
+#endif
+  EXPECT_THROW(detail::stream_with("mmx", to.span().data(), from.data(), 64), Error);
+  routines.emplace_back();
+  for (auto routine : routines) {
+    for (auto length : lengths) {
+      for (std::size_t to_offset : {0u, 1u, 16u, 61u}) {
+        for (std::size_t from_offset : {0u, 7u}) {
+          std::fill(to.span().begin(), to.span().end(), std::byte{0xee});
+          auto* destination = to.span().data() + kGuard + to_offset;
+          if (routine.empty()) {
+            detail::copy_bytes(destination, from.data() + from_offset, length, true);
+          } else {
+            detail::stream_with(routine, destination, from.data() + from_offset, length);
+          }
+          detail::finish_streaming();
+          auto where = std::string(routine.empty() ? "copy_bytes" : routine) + ", length " + std::to_string(length) +
+                       ", to +" + std::to_string(to_offset) + ", from +" + std::to_string(from_offset);
+          ASSERT_TRUE(std::equal(destination, destination + length, from.data() + from_offset)) << where;
+          auto untouched = [](auto first, auto last) {
+            return std::all_of(first, last, [](std::byte b) { return b == std::byte{0xee}; });
+          };
+          ASSERT_TRUE(untouched(to.span().data(), destination)) << where;
+          ASSERT_TRUE(untouched(destination + length, to.span().data() + to.span().size())) << where;
+        }
       }
     }
   }
