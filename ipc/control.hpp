@@ -201,6 +201,4 @@ void validate_channel_name(std::string_view channel);
 std::string control_segment_name(std::string_view channel);
 std::string slot_segment_name(std::string_view channel, std::uint32_t slot, std::uint64_t epoch);
 
-std::uint64_t monotonic_ns();
-
 }  // namespace tensorbucket::ipc

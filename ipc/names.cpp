@@ -50,11 +50,14 @@ std::string slot_segment_name(std::string_view channel, std::uint32_t slot, std:
          std::to_string(epoch);
 }
 
-std::uint64_t monotonic_ns() {
+}  // namespace tensorbucket::ipc
+
+namespace tensorbucket {
+
+std::uint64_t monotonic_ns() noexcept {
   timespec now{};
   ::clock_gettime(CLOCK_MONOTONIC, &now);
-  return static_cast<std::uint64_t>(now.tv_sec) * 1'000'000'000u +
-         static_cast<std::uint64_t>(now.tv_nsec);
+  return static_cast<std::uint64_t>(now.tv_sec) * 1'000'000'000u + static_cast<std::uint64_t>(now.tv_nsec);
 }
 
-}  // namespace tensorbucket::ipc
+}  // namespace tensorbucket

@@ -271,7 +271,7 @@ struct detail::PublisherState {
   // Read from memory a consumer can write: nothing when the time is not a past one.
   std::string published_ago(std::uint32_t s) {
     auto published = ipc::atomic(shared_slot(s).published_ns).load(std::memory_order_relaxed);
-    auto now = ipc::monotonic_ns();
+    auto now = monotonic_ns();
     if (published == 0 || published > now) return "";
     char text[48];
     std::snprintf(text, sizeof text, ", published %.1f s ago", static_cast<double>(now - published) / 1e9);
@@ -413,7 +413,7 @@ struct detail::PublisherState {
       throw;
     }
     auto& shared = shared_slot(s);
-    shared.published_ns = ipc::monotonic_ns();
+    shared.published_ns = monotonic_ns();
     auto& place = control->slot_updates[s];
     ipc::atomic(place.version).store(open_place.version, std::memory_order_relaxed);
     ipc::atomic(place.bucket_index).store(open_place.bucket_index, std::memory_order_relaxed);
@@ -460,7 +460,7 @@ struct detail::PublisherState {
       fail(ErrorCode::InvalidArgument, "channel ", Quoted{channel},
            " has an open reservation; commit or drop it first");
     }
-    auto start_ns = ipc::monotonic_ns();
+    auto start_ns = monotonic_ns();
     open_place = place_of(manifest);
     if (!claim(ipc::deadline_after(timeout))) return std::nullopt;
     auto s = open_slot;
@@ -854,7 +854,7 @@ void Reservation::commit(HandoverFrom from) {
   state->reservation_open = false;
   // reserve() stamped the start; writing the slot in place is the caller's own work unless
   // it said otherwise, and then the handover starts here.
-  if (from == HandoverFrom::Commit) state->shared_slot(state->open_slot).publish_start_ns = ipc::monotonic_ns();
+  if (from == HandoverFrom::Commit) state->shared_slot(state->open_slot).publish_start_ns = monotonic_ns();
   state->finish(state->published, payload_bytes_);
 }
 

@@ -251,6 +251,22 @@ TEST_F(Channel, ReservationStampsItsHandoverWhereCommitSays) {
   }
 }
 
+// monotonic_ns() is the clock a bucket's timestamps are on: a publish between two readings of it
+// is stamped between them.
+TEST_F(Channel, MonotonicNsIsTheClockOfTheTimestamps) {
+  Workload workload{.tensors = 2, .tensor_bytes = 64};
+  auto publisher = Publisher::create(channel);
+  auto subscriber = Subscriber::attach(channel, 1s);
+  auto bucket = make_bucket(workload, 0);
+  auto before = monotonic_ns();
+  ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
+  auto received = next_bucket(subscriber, 1s);
+  auto after = monotonic_ns();
+  EXPECT_LE(before, received.publish_start_ns());
+  EXPECT_LE(received.publish_start_ns(), received.published_ns());
+  EXPECT_LE(received.published_ns(), after);
+}
+
 // The producer rewrites only the bytes of a slot's manifest that changed: a layout of the
 // same size with other names, then the first one again, each arrives as sent.
 TEST_F(Channel, SlotManifestFollowsEveryLayoutChange) {

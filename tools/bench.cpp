@@ -26,12 +26,6 @@ namespace {
 
 using namespace std::chrono_literals;
 
-std::uint64_t now_ns() {
-  timespec now{};
-  ::clock_gettime(CLOCK_MONOTONIC, &now);
-  return static_cast<std::uint64_t>(now.tv_sec) * 1'000'000'000u + static_cast<std::uint64_t>(now.tv_nsec);
-}
-
 double median(std::vector<double> values) {
   std::sort(values.begin(), values.end());
   return values.empty() ? 0 : values[values.size() / 2];
@@ -78,7 +72,7 @@ Latency measure(const std::string& channel, int count, int warmup, Wait wait, Cl
         auto from = clock == Clock::FromVisible  ? bucket->published_ns()
                     : clock == Clock::FromVersion ? bucket->view().version()
                                                   : bucket->publish_start_ns();
-        if (i >= warmup) latencies.push_back(static_cast<double>(now_ns() - from) / 1000);
+        if (i >= warmup) latencies.push_back(static_cast<double>(monotonic_ns() - from) / 1000);
       }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "tbucket bench: consumer: %s\n", e.what());
@@ -112,9 +106,9 @@ double memcpy_us(std::size_t bytes, int repeats) {
   std::vector<std::byte> from(bytes, std::byte{1}), to(bytes, std::byte{0});
   std::vector<double> times;
   for (int i = 0; i < repeats; ++i) {
-    auto start = now_ns();
+    auto start = monotonic_ns();
     std::memcpy(to.data(), from.data(), bytes);
-    times.push_back(static_cast<double>(now_ns() - start) / 1000);
+    times.push_back(static_cast<double>(monotonic_ns() - start) / 1000);
     if (to[bytes / 2] != from[bytes / 2]) return 0;
   }
   return median(times);
@@ -200,7 +194,7 @@ Row new_builder_handoff(std::string name, const Row& kept, int repeats) {
   for (std::uint32_t t = 0; t < workload.tensors; ++t) names.push_back(tensor_name(t));
   auto latency = measure(channel, repeats + 2, 2, Wait::Next, Clock::FromVersion, [&](int) {
     BucketBuilder bucket;
-    bucket.version(now_ns());
+    bucket.version(monotonic_ns());
     for (std::uint32_t t = 0; t < workload.tensors; ++t) {
       auto dtype = tensor_dtype(t);
       bucket.add(names[t], dtype, {static_cast<std::int64_t>(bytes / itemsize(dtype))}, source.tensors[t].data());

@@ -18,12 +18,6 @@ int stopped() {
   return 128 + stop_signal();
 }
 
-std::uint64_t monotonic_ns() {
-  timespec now{};
-  ::clock_gettime(CLOCK_MONOTONIC, &now);
-  return static_cast<std::uint64_t>(now.tv_sec) * 1'000'000'000u + static_cast<std::uint64_t>(now.tv_nsec);
-}
-
 // What one line reports: a bucket, or a whole update of them.
 struct Line {
   std::uint64_t sequence = 0;  // of the (first) bucket

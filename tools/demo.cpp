@@ -107,10 +107,7 @@ int serve(const std::string& channel, const DemoOptions& options, int report) {
   for (std::size_t b = 0; b < buckets.size(); ++b) {
     auto bucket = subscriber.next(std::chrono::seconds(10));
     if (!bucket) return kTimeout;
-    timespec now{};
-    ::clock_gettime(CLOCK_MONOTONIC, &now);
-    auto now_ns = static_cast<std::uint64_t>(now.tv_sec) * 1'000'000'000u + static_cast<std::uint64_t>(now.tv_nsec);
-    latencies_us.push_back(static_cast<double>(now_ns - bucket->publish_start_ns()) / 1000);
+    latencies_us.push_back(static_cast<double>(monotonic_ns() - bucket->publish_start_ns()) / 1000);
     const auto& view = bucket->view();
     bool same = view.bucket_index() == b && view.size() == buckets[b].size();
     for (const auto* t : buckets[b]) {

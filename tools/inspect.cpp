@@ -138,12 +138,6 @@ void print_text(const ChannelInfo& info) {
   }
 }
 
-std::uint64_t monotonic_ns() {
-  timespec now{};
-  ::clock_gettime(CLOCK_MONOTONIC, &now);
-  return static_cast<std::uint64_t>(now.tv_sec) * 1'000'000'000u + static_cast<std::uint64_t>(now.tv_nsec);
-}
-
 // What a consumer's leases hold, for --watch: "holds bucket 12 (published 0.4 s ago)", its
 // oldest, which it has held at most that long.
 std::string leases_of(const ChannelInfo& info, const ChannelInfo::Consumer& consumer, std::uint64_t now_ns) {

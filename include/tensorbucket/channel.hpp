@@ -205,6 +205,10 @@ class Reservation {
   std::unique_ptr<detail::NearEnd> near_end_;  // wakes the consumers when write() is nearly done
 };
 
+// Now on CLOCK_MONOTONIC, in nanoseconds: the clock of the channel's timestamps
+// (ReceivedBucket::publish_start_ns()), and of Python's time.monotonic_ns().
+std::uint64_t monotonic_ns() noexcept;
+
 // A received, verified bucket. Holds its lease: the slot is not reused while this object (or
 // anything moved from it) lives. The views point into shared memory, valid as long as it lives.
 class ReceivedBucket {
@@ -217,9 +221,9 @@ class ReceivedBucket {
   std::uint64_t sequence() const noexcept { return sequence_; }  // 0-based place in the channel
   // The producer's incarnation (Publisher::incarnation()): sequences count within one.
   std::uint64_t incarnation() const noexcept { return incarnation_; }
-  // CLOCK_MONOTONIC times: when the producer began handing this bucket over (the start of
-  // publish(), or for a reservation of commit() or reserve(), as commit() was told), and when
-  // it became visible to consumers.
+  // CLOCK_MONOTONIC times (monotonic_ns()): when the producer began handing this bucket over
+  // (the start of publish(), or for a reservation of commit() or reserve(), as commit() was
+  // told), and when it became visible to consumers.
   std::uint64_t publish_start_ns() const noexcept { return publish_start_ns_; }
   std::uint64_t published_ns() const noexcept { return published_ns_; }
 

@@ -33,12 +33,6 @@ using Deadline = std::optional<Clock::time_point>;  // none: no limit
 // The longest a wait runs without the GIL: between slices Python runs its signal handlers.
 constexpr auto kSignalCheck = std::chrono::milliseconds(50);
 
-// CLOCK_MONOTONIC in nanoseconds, as time.monotonic_ns() and the channel's timestamps count.
-inline std::uint64_t monotonic_ns() {
-  return static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
-}
-
 // How Python writes a float: 0.5, -1.0, nan.
 inline std::string as_text(double seconds) { return py::str(py::float_(seconds)); }
 
