@@ -8,8 +8,8 @@
 // registration in its cache).
 // A RemoteSubscriber receives those buckets into host memory and verifies each one exactly as
 // a local consumer does (docs/format.md rules 1-6), and the payload hash, which the network
-// always carries, before it returns it. `tbucket relay` republishes them into a local channel,
-// so the servers on that host use Subscriber unchanged.
+// always carries, before it returns it. A Relay (what `tbucket relay` runs) republishes them
+// into a local channel, so the servers on that host use Subscriber unchanged.
 //
 // Semantics (docs/network.md has the protocol, the failure cases and what an attacker on the
 // network can and cannot do):
@@ -35,11 +35,13 @@
 #include <string_view>
 
 #include "tensorbucket/bucket.hpp"
+#include "tensorbucket/channel.hpp"
 
 namespace tensorbucket::net {
 namespace detail {
 struct ServerState;
 struct RemoteState;
+struct RelayState;
 }  // namespace detail
 
 // The shared secret in `path`: 16 to 4096 bytes (a trailing newline is dropped), in a regular
@@ -155,6 +157,61 @@ class RemoteSubscriber {
  private:
   explicit RemoteSubscriber(std::unique_ptr<detail::RemoteState> state);
   std::unique_ptr<detail::RemoteState> state_;
+};
+
+struct RelayOptions {
+  std::string connect;      // the Server's "HOST:PORT"
+  ConnectOptions remote;    // the token, the served channel's name (required), the link's limits
+  std::string local;        // the local channel's name; empty: the served channel's
+  PublisherOptions publisher;  // the local channel's
+  // How long a local publish waits for a slot (local consumers behind: the link is then dropped
+  // and made again), and, held between 1 and 5 s, a connect.
+  std::chrono::milliseconds timeout{10000};
+  // Told what a person watching the relay wants to know, a line each: connected, and why the
+  // link went down. `important` lines are for a quiet log too: a reason the first time it comes
+  // since buckets last flowed, and every refusal.
+  std::function<void(const std::string& line, bool important)> log;
+  // Asked between slices of every wait (50 ms at most): true ends relay_for() or drain() early.
+  std::function<bool()> interrupted;
+};
+
+struct RelayStats {
+  std::uint64_t buckets = 0;            // republished
+  std::uint64_t bytes_after_first = 0;  // the payload bytes of those after the first
+  std::chrono::nanoseconds after_first{};  // from the first one's publish to the last one's
+};
+
+// A served channel received and republished, each bucket verified (rules 1-6 and the payload
+// hash), into a local channel of this host, in order; a payload past 4 MiB is received straight
+// into a local slot. A link that breaks (a server gone, a silent or hostile peer, local consumers
+// that took no slot within `timeout`) is made again, 100 ms later doubling up to 2 s, and the
+// relay resumes at the next whole update; a bucket sent again after a server's restart is not
+// republished twice.
+class Relay {
+ public:
+  // Creates the local channel (errors as Publisher::create); connects in relay_for().
+  static Relay create(const RelayOptions& options);
+
+  Relay(Relay&&) noexcept;
+  Relay& operator=(Relay&&) noexcept;
+  ~Relay();  // close()
+
+  // Relays for `duration`, until `buckets` more were republished (0: no limit), or until
+  // interrupted; returns how many it republished. Throws what trying again cannot mend:
+  // Unauthorized while no server has let it in yet (a wrong token: once served, a refusal is
+  // retried, as an impostor on the port may answer), ChannelMissing (the server serves another
+  // channel), InvalidArgument; before the first connection, every error but NetworkError.
+  std::uint64_t relay_for(std::chrono::milliseconds duration, std::uint64_t buckets = 0);
+  // Until the local consumers released every bucket; false at `timeout` or when interrupted.
+  bool drain(std::chrono::milliseconds timeout);
+
+  RelayStats stats() const noexcept;
+  const std::string& local_channel() const noexcept;
+  void close() noexcept;  // drops the link and closes the local channel
+
+ private:
+  explicit Relay(std::unique_ptr<detail::RelayState> state);
+  std::unique_ptr<detail::RelayState> state_;
 };
 
 }  // namespace tensorbucket::net

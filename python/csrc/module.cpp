@@ -16,6 +16,7 @@
 #include "publisher.hpp"
 #include "received.hpp"
 #ifdef TENSORBUCKET_NET
+#include "relay.hpp"
 #include "server.hpp"
 #endif
 #include "subscriber.hpp"
@@ -112,5 +113,17 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("address", &PyServer::address)
       .def_property_readonly("peers", &PyServer::peers)
       .def_property_readonly("buckets_served", &PyServer::buckets_served);
+  py::class_<PyRelay>(m, "Relay")
+      .def(py::init<const std::string&, const std::string&, const std::string&, const std::string&, std::uint32_t,
+                    std::uint32_t, std::uint32_t, const std::string&, std::uint32_t, std::optional<double>, double,
+                    std::uint64_t>(),
+           py::arg("connect"), py::arg("channel"), py::arg("token_file"), py::arg("local"), py::arg("slots"),
+           py::arg("min_consumers"), py::arg("max_consumers"), py::arg("policy"), py::arg("update_buckets"),
+           py::arg("timeout"), py::arg("idle_timeout"), py::arg("max_bucket_bytes"))
+      .def("relay", &PyRelay::relay, py::arg("duration"), py::arg("buckets"))
+      .def("drain", &PyRelay::drain, py::arg("timeout"))
+      .def("close", &PyRelay::close)
+      .def_property_readonly("local_channel", &PyRelay::local_channel)
+      .def_property_readonly("buckets_relayed", &PyRelay::buckets_relayed);
 #endif
 }

@@ -25,7 +25,7 @@ class PyServer {
       : channel_(channel) {
     net::ServeOptions options{.listen = listen,
                               .token = net::read_token_file(token_file),
-                              .peer_timeout = milliseconds(peer_timeout, "peer_timeout"),
+                              .peer_timeout = limit_in_ms(peer_timeout, "peer_timeout"),
                               .max_peers = max_peers,
                               .window = window};
     server_ = when_produced(channel, timeout, [&](auto slice) { return net::Server::start(channel, options, slice); });
@@ -64,13 +64,6 @@ class PyServer {
   net::Server& live() {
     if (!server_) throw Error(ErrorCode::InvalidArgument, "server of channel '" + channel_ + "' is closed");
     return *server_;
-  }
-
-  static std::chrono::milliseconds milliseconds(double seconds, const char* name) {
-    if (!(seconds > 0 && seconds <= 1e9)) {
-      throw Error(ErrorCode::InvalidArgument, std::string(name) + " must be seconds above 0 and at most 1e9, not " + as_text(seconds));
-    }
-    return std::chrono::ceil<std::chrono::milliseconds>(std::chrono::duration<double>(seconds));
   }
 
   Turns turn_;

@@ -36,6 +36,16 @@ constexpr auto kSignalCheck = std::chrono::milliseconds(50);
 // How Python writes a float: 0.5, -1.0, nan.
 inline std::string as_text(double seconds) { return py::str(py::float_(seconds)); }
 
+// A limit of `seconds` (above 0, at most 1e9) in whole milliseconds, rounded up; InvalidArgument
+// naming the argument otherwise.
+inline std::chrono::milliseconds limit_in_ms(double seconds, const char* name) {
+  if (!(seconds > 0 && seconds <= 1e9)) {
+    throw Error(ErrorCode::InvalidArgument,
+                std::string(name) + " must be seconds above 0 and at most 1e9, not " + as_text(seconds));
+  }
+  return std::chrono::ceil<std::chrono::milliseconds>(std::chrono::duration<double>(seconds));
+}
+
 // When a wait of `seconds` from now ends: never for None, inf, or more than a clock can hold.
 // A negative or NaN timeout would end every wait at once: an error instead.
 inline Deadline deadline_in(std::optional<double> seconds) {

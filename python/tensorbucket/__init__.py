@@ -4,7 +4,8 @@ A trainer publishes its weights with a Publisher; a server receives them with a 
 as a Bucket (or a whole Update of several) of read-only tensor views into shared memory, and
 loads them into its model with load_into().
 
-Server exports a channel to other hosts, where `tbucket relay` republishes it (docs/network.md).
+Server exports a channel to other hosts, where a Relay (or `tbucket relay`) republishes it
+(docs/network.md).
 
 Every timeout is in seconds; None waits without limit. Ctrl+C interrupts any wait, and an
 interrupted publish() has published nothing. Threads sharing a Publisher or a Subscriber take
@@ -52,6 +53,7 @@ __all__ = [
     "NetworkError",
     "ProducerGone",
     "Publisher",
+    "Relay",
     "Server",
     "Subscriber",
     "Timeout",
@@ -625,6 +627,110 @@ class Server:
         return self._impl.buckets_served
 
     def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(
+        self,
+        kind: Optional[type[BaseException]],
+        error: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> None:
+        self.close()
+
+
+class Relay:
+    """Receives a channel that a Server exports on another host and republishes every bucket,
+    verified (the manifest's rules and the payload's hash), into a channel of this host, in
+    order, as `tbucket relay` does: the servers here use Subscriber unchanged. A context
+    manager: leaving it drops the link and closes the local channel.
+
+    Buckets are relayed while relay() runs, in this thread or another one. A link that breaks
+    (the Server gone, a silent or hostile peer, local consumers that took no slot within
+    `timeout`) is made again, 100 ms later doubling up to 2 s, and the relay resumes at the next
+    whole update; what happens is logged to stderr.
+
+    connect: the Server's "HOST:PORT" ("[ADDRESS]:PORT" for IPv6).
+    channel: the served channel's name: a Server that serves another is refused.
+    token_file: the shared secret, as Server takes it.
+    local: the local channel's name (None: the served channel's).
+    slots, min_consumers, max_consumers, policy, update_buckets: the local channel's, as
+        Publisher takes them.
+    timeout: how long a local publish waits for a slot before the link is dropped and made
+        again (None: as long as it takes), and, held between 1 and 5 s, a connect.
+    idle_timeout: silence (not even the Server's heartbeat) after which the link counts as dead.
+    max_bucket_bytes: the largest payload accepted; a larger one is refused before any memory
+        is taken for it.
+
+    Raises ChannelError (ChannelExists) when a live producer owns the local name already,
+    InvalidArgument for a bad name or option, and Error when this build has no network side.
+    """
+
+    def __init__(
+        self,
+        connect: str,
+        channel: str,
+        token_file: Union[str, "os.PathLike[str]"],
+        *,
+        local: Optional[str] = None,
+        slots: int = 2,
+        min_consumers: int = 1,
+        max_consumers: int = 8,
+        policy: Policy = "block",
+        update_buckets: int = 1,
+        timeout: Optional[float] = 10.0,
+        idle_timeout: float = 5.0,
+        max_bucket_bytes: int = 64 << 30,
+    ) -> None:
+        if not hasattr(_C, "Relay"):
+            raise _error(Error, "this build of tensorbucket has no network side: build it where UCX and "
+                         "OpenSSL are: PyPI's libucx-cu13 in this Python, and libssl-dev (docs/network.md)")
+        idle = _seconds("idle_timeout", idle_timeout)
+        if idle is None:
+            raise TypeError("idle_timeout must be seconds (an int or a float), not None")
+        self._impl = _C.Relay(
+            _text("connect", connect),
+            _text("channel", channel),
+            os.fspath(token_file),
+            "" if local is None else _text("local", local),
+            _integer("slots", slots, 0, _U32),
+            _integer("min_consumers", min_consumers, 0, _U32),
+            _integer("max_consumers", max_consumers, 0, _U32),
+            _text("policy", policy),
+            _integer("update_buckets", update_buckets, 0, _U32),
+            _seconds("timeout", timeout),
+            idle,
+            _integer("max_bucket_bytes", max_bucket_bytes, 0, _U64),
+        )
+
+    def relay(self, duration: Optional[float] = None, buckets: int = 0) -> int:
+        """Relay for `duration` seconds (None: until close() from another thread, or Ctrl+C), or
+        until `buckets` more were republished (0: no limit); return how many were.
+
+        Raises what trying again cannot mend: NetworkError (Unauthorized) while no Server has let
+        it in yet, ChannelError (ChannelMissing) when the Server serves another channel; before
+        the first connection, every error but a NetworkError that says the Server is not there.
+        """
+        return self._impl.relay(_seconds("duration", duration), _integer("buckets", buckets, 0, _U64))
+
+    def drain(self, timeout: Optional[float] = 10.0) -> bool:
+        """Wait until the local consumers released every bucket; False at `timeout`."""
+        return self._impl.drain(_seconds("timeout", timeout))
+
+    def close(self) -> None:
+        """Drop the link and close the local channel; a relay() in another thread returns."""
+        self._impl.close()
+
+    @property
+    def local_channel(self) -> str:
+        """The local channel's name."""
+        return self._impl.local_channel
+
+    @property
+    def buckets_relayed(self) -> int:
+        """Buckets republished so far (as of relay()'s last slice)."""
+        return self._impl.buckets_relayed
+
+    def __enter__(self) -> "Relay":
         return self
 
     def __exit__(

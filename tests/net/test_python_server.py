@@ -1,7 +1,7 @@
-"""tensorbucket.Server, the Python side of `tbucket serve`, on this host (UCX's shared-memory
-and loopback transports): a Python trainer's buckets served from Python, relayed by `tbucket
-relay`, received by a Python Subscriber byte for byte; its errors; and how many relays a server
-admits (`--max-peers`).
+"""tensorbucket.Server and tensorbucket.Relay, the Python sides of `tbucket serve` and `tbucket
+relay`, on this host (UCX's shared-memory and loopback transports): a Python trainer's buckets
+served from Python, relayed by `tbucket relay` or a Python Relay, received by a Python
+Subscriber byte for byte; their errors; and how many relays a server admits (`--max-peers`).
 
 Needs the Python module built with UCX (PYTHONPATH, as the `net` suite sets it) and the network
 build of tbucket (TBUCKET)."""
@@ -107,6 +107,56 @@ def test_python_trainer_served_from_python_reaches_a_python_server_byte_for_byte
         assert server.buckets_served == count and server.peers == 0
     with pytest.raises(tensorbucket.InvalidArgument, match="closed"):
         server.serve(0.1)
+
+
+def test_a_python_relay_republishes_a_python_server_byte_for_byte(tmp_path):
+    """Both ends in Python: a Relay in a thread republishes what a Server serves into a local
+    channel, every bucket verified and in order; close() ends a relay() without a limit, and a
+    Relay's wrong token and wrong channel are errors, not retries."""
+    token = make_token(tmp_path / "token")
+    tag, count = os.getpid(), 12
+    up, down = f"pyrup{tag}", f"pyrdown{tag}"
+    with tensorbucket.Publisher(up, slots=2) as publisher, \
+            tensorbucket.Server(up, f"127.0.0.1:{free_port()}", token, peer_timeout=5, timeout=30) as server:
+        serving = threading.Thread(target=server.serve)  # until close()
+        serving.start()
+        with tensorbucket.Relay(server.address, up, token, local=down, timeout=30) as relay:
+            assert relay.local_channel == down
+            relaying = threading.Thread(target=relay.relay)  # until close()
+            relaying.start()
+            with tensorbucket.Subscriber(down, timeout=30) as subscriber:
+                wait_for(lambda: server.peers == 1, 30, "the relay among the peers")
+                for version in range(count):
+                    publisher.publish(weights(version), version=version, timeout=30)
+                    bucket = subscriber.next(timeout=30)
+                    assert bucket is not None and bucket.version == version
+                    expected = weights(version)
+                    assert sorted(bucket.keys()) == sorted(expected)
+                    for name, tensor in expected.items():
+                        assert bucket[name].dtype == tensor.dtype and torch.equal(bucket[name], tensor), name
+                    bucket.release()
+            relay.close()  # from this thread: relay() in the other one returns
+            relaying.join(timeout=10)
+            assert not relaying.is_alive()
+            assert relay.buckets_relayed == count
+        with pytest.raises(tensorbucket.InvalidArgument, match="closed"):
+            relay.relay(0.1)
+
+        wrong = tmp_path / "wrong"
+        wrong.write_text("another secret, long enough\n")
+        wrong.chmod(0o600)
+        with tensorbucket.Relay(server.address, up, wrong, local=f"{down}w", timeout=2) as impostor:
+            with pytest.raises(tensorbucket.NetworkError) as refused:
+                impostor.relay(10)
+            assert refused.value.code == "Unauthorized"
+        with tensorbucket.Relay(server.address, "another", token, local=f"{down}o", timeout=2) as elsewhere:
+            with pytest.raises(tensorbucket.ChannelError, match="serves channel") as missing:
+                elsewhere.relay(10)
+            assert missing.value.code == "ChannelMissing"
+        server.close()
+        serving.join(timeout=10)
+    with pytest.raises(tensorbucket.InvalidArgument, match="idle_timeout"):
+        tensorbucket.Relay("127.0.0.1:1", up, token, idle_timeout=0)
 
 
 def test_server_errors_name_what_is_wrong(tmp_path):

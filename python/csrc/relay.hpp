@@ -1,0 +1,96 @@
+// The Python Relay: a channel served from another host, republished into a local channel
+// (tensorbucket/net.hpp), relayed in slices without the GIL, so that Ctrl+C, close() from
+// another thread and the interpreter's exit all end a relay() that has no time limit.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <optional>
+#include <string>
+
+#include "tensorbucket/net.hpp"
+#include "waits.hpp"
+
+namespace tensorbucket::python {
+
+namespace py = pybind11;
+
+class PyRelay {
+ public:
+  PyRelay(const std::string& connect, const std::string& channel, const std::string& token_file,
+          const std::string& local, std::uint32_t slots, std::uint32_t min_consumers, std::uint32_t max_consumers,
+          const std::string& policy, std::uint32_t update_buckets, std::optional<double> timeout, double idle_timeout,
+          std::uint64_t max_bucket_bytes) {
+    net::RelayOptions options{
+        .connect = connect,
+        .remote = {.token = net::read_token_file(token_file),
+                   .channel = channel,
+                   .max_bucket_bytes = max_bucket_bytes,
+                   .idle_timeout = limit_in_ms(idle_timeout, "idle_timeout")},
+        .local = local,
+        .publisher = {.slots = slots,
+                      .max_consumers = max_consumers,
+                      .min_consumers = min_consumers,
+                      .policy = parse_overflow_policy(policy),
+                      .update_buckets = update_buckets},
+        // A local publish that waits "for ever" is bounded as the network side bounds its waits.
+        .timeout = timeout ? limit_in_ms(std::max(*timeout, 1e-3), "timeout") : net::kLongestTimeout,
+        // As Server logs its peers: what a person watching wants to know, on stderr.
+        .log = [](const std::string& line, bool) { std::fprintf(stderr, "tensorbucket relay: %s\n", line.c_str()); },
+        // close() from another thread ends a local publish that waits for a slot.
+        .interrupted = [this] { return turn_.closing.load(); }};
+    relay_ = net::Relay::create(options);
+    local_channel_ = relay_->local_channel();
+  }
+
+  // Relays for `duration` seconds (None: until close() or Ctrl+C), or until `buckets` more were
+  // republished (0: no limit), in slices without the GIL; returns how many it republished.
+  std::uint64_t relay(std::optional<double> duration, std::uint64_t buckets) {
+    auto deadline = deadline_in(duration);
+    auto turn = take_turn(turn_, deadline);
+    if (!turn) return 0;
+    std::uint64_t relayed = 0;
+    wait_until(deadline, [&](std::chrono::milliseconds slice) {
+      if (turn_.closing && relay_) return true;  // close() from another thread ends the wait
+      relayed += live().relay_for(slice, buckets == 0 ? 0 : buckets - relayed);
+      buckets_relayed_ = relay_->stats().buckets;
+      return buckets != 0 && relayed >= buckets;
+    });
+    return relayed;
+  }
+
+  // Until the local consumers released every bucket; false at `timeout` (None: no limit).
+  bool drain(std::optional<double> timeout) {
+    auto deadline = deadline_in(timeout);
+    auto turn = take_turn(turn_, deadline);
+    if (!turn) return false;
+    return wait_until(deadline, [&](std::chrono::milliseconds slice) { return live().drain(slice); });
+  }
+
+  const std::string& local_channel() const { return local_channel_; }
+  // As of the end of the last slice relayed: readable while another thread relays.
+  std::uint64_t buckets_relayed() const { return buckets_relayed_; }
+
+  // Drops the link and closes the local channel; a relay() in another thread returns.
+  void close() {
+    auto turn = take_last_turn(turn_);
+    relay_.reset();
+  }
+
+ private:
+  net::Relay& live() {
+    if (!relay_) throw Error(ErrorCode::InvalidArgument, "relay into channel '" + local_channel_ + "' is closed");
+    return *relay_;
+  }
+
+  Turns turn_;
+  std::optional<net::Relay> relay_;  // none once closed
+  std::string local_channel_;
+  std::atomic<std::uint64_t> buckets_relayed_ = 0;
+};
+
+}  // namespace tensorbucket::python
