@@ -242,7 +242,8 @@ Relay Relay::create(const RelayOptions& options) {
   return Relay(std::make_unique<detail::RelayState>(options, Publisher::create(local, options.publisher)));
 }
 
-Relay::Relay(std::unique_ptr<detail::RelayState> state) : state_(std::move(state)) {}
+Relay::Relay(std::unique_ptr<detail::RelayState> state)
+    : state_(std::move(state)), local_channel_(state_->republisher.publisher().channel()) {}
 Relay::Relay(Relay&&) noexcept = default;
 Relay& Relay::operator=(Relay&&) noexcept = default;
 Relay::~Relay() = default;
@@ -278,8 +279,14 @@ bool Relay::drain(std::chrono::milliseconds timeout) {
   return state_->within(timeout, [&](std::chrono::milliseconds slice) { return publisher.drain(slice); });
 }
 
+void Relay::disconnect() noexcept {
+  if (!state_) return;
+  state_->remote.reset();  // the link first: a receive under way may still write into a reserved slot
+  state_->republisher.abandon();
+}
+
 RelayStats Relay::stats() const noexcept { return state_ ? state_->stats : RelayStats{}; }
-const std::string& Relay::local_channel() const noexcept { return state_->republisher.publisher().channel(); }
+const std::string& Relay::local_channel() const noexcept { return local_channel_; }
 void Relay::close() noexcept { state_.reset(); }
 
 }  // namespace tensorbucket::net

@@ -74,6 +74,7 @@ int run_relay(const RelayOptions& options) {
     relay.relay_for(std::chrono::hours(1), left);
     if (options.buckets != 0 && relay.stats().buckets >= options.buckets) break;
   }
+  relay.disconnect();  // the server frees this relay's place while the local consumers finish
   if (stop_signal() != 0) return stopped("local channel closed");
   bool drained = relay.drain(timeout);
   auto stats = relay.stats();

@@ -171,7 +171,9 @@ struct RelayOptions {
   // link went down. `important` lines are for a quiet log too: a reason the first time it comes
   // since buckets last flowed, and every refusal.
   std::function<void(const std::string& line, bool important)> log;
-  // Asked between slices of every wait (50 ms at most): true ends relay_for() or drain() early.
+  // Asked between slices of the waits for the link's next bucket, for a local slot and between
+  // tries (50 ms at most): true ends relay_for() or drain() early. A connect (5 s at most) and
+  // a bucket already begun run to their end first.
   std::function<bool()> interrupted;
 };
 
@@ -205,6 +207,10 @@ class Relay {
   // Until the local consumers released every bucket; false at `timeout` or when interrupted.
   bool drain(std::chrono::milliseconds timeout);
 
+  // Drops the link, so that the server frees its place; the next relay_for() connects again and
+  // resumes at the next whole update.
+  void disconnect() noexcept;
+
   RelayStats stats() const noexcept;
   const std::string& local_channel() const noexcept;
   void close() noexcept;  // drops the link and closes the local channel
@@ -212,6 +218,7 @@ class Relay {
  private:
   explicit Relay(std::unique_ptr<detail::RelayState> state);
   std::unique_ptr<detail::RelayState> state_;
+  std::string local_channel_;
 };
 
 }  // namespace tensorbucket::net

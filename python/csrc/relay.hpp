@@ -1,6 +1,7 @@
 // The Python Relay: a channel served from another host, republished into a local channel
-// (tensorbucket/net.hpp), relayed in slices without the GIL, so that Ctrl+C, close() from
-// another thread and the interpreter's exit all end a relay() that has no time limit.
+// (tensorbucket/net.hpp), relayed in slices without the GIL, so that close() from another
+// thread and the interpreter's exit end a relay() that has no time limit, and so does Ctrl+C
+// once a local publish that waits for a slot has ended.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -37,12 +38,12 @@ class PyRelay {
                       .min_consumers = min_consumers,
                       .policy = parse_overflow_policy(policy),
                       .update_buckets = update_buckets},
-        // A local publish that waits "for ever" is bounded as the network side bounds its waits.
-        .timeout = timeout ? limit_in_ms(std::max(*timeout, 1e-3), "timeout") : net::kLongestTimeout,
+        .timeout = local_timeout(timeout),
         // As Server logs its peers: what a person watching wants to know, on stderr.
         .log = [](const std::string& line, bool) { std::fprintf(stderr, "tensorbucket relay: %s\n", line.c_str()); },
-        // close() from another thread ends a local publish that waits for a slot.
-        .interrupted = [this] { return turn_.closing.load(); }};
+        // close() from another thread, or the interpreter's exit, ends a local publish that
+        // waits for a slot (Ctrl+C is seen between slices: after such a wait).
+        .interrupted = [this] { return turn_.closing.load() || OutsideGil::exiting_now(); }};
     relay_ = net::Relay::create(options);
     local_channel_ = relay_->local_channel();
   }
@@ -85,6 +86,16 @@ class PyRelay {
   net::Relay& live() {
     if (!relay_) throw Error(ErrorCode::InvalidArgument, "relay into channel '" + local_channel_ + "' is closed");
     return *relay_;
+  }
+
+  // A local publish's wait: None, inf or past 10^9 s are the longest the network side waits;
+  // 0 is one try; negative or NaN is refused.
+  static std::chrono::milliseconds local_timeout(std::optional<double> seconds) {
+    if (!seconds || *seconds >= 1e9) return net::kLongestTimeout;
+    if (!(*seconds >= 0)) {
+      throw Error(ErrorCode::InvalidArgument, "timeout must be seconds, at least 0, not " + as_text(*seconds));
+    }
+    return std::chrono::ceil<std::chrono::milliseconds>(std::chrono::duration<double>(*seconds));
   }
 
   Turns turn_;

@@ -656,7 +656,8 @@ class Relay:
     slots, min_consumers, max_consumers, policy, update_buckets: the local channel's, as
         Publisher takes them.
     timeout: how long a local publish waits for a slot before the link is dropped and made
-        again (None: as long as it takes), and, held between 1 and 5 s, a connect.
+        again (None: as long as it takes; 0: one try), and, held between 1 and 5 s, a connect.
+        Ctrl+C is seen after such a wait; close() from another thread ends it at once.
     idle_timeout: silence (not even the Server's heartbeat) after which the link counts as dead.
     max_bucket_bytes: the largest payload accepted; a larger one is refused before any memory
         is taken for it.
@@ -703,8 +704,9 @@ class Relay:
         )
 
     def relay(self, duration: Optional[float] = None, buckets: int = 0) -> int:
-        """Relay for `duration` seconds (None: until close() from another thread, or Ctrl+C), or
-        until `buckets` more were republished (0: no limit); return how many were.
+        """Relay for `duration` seconds (None: until close() from another thread, or Ctrl+C,
+        which a local publish waiting for a slot delays up to `timeout`), or until `buckets` more
+        were republished (0: no limit); return how many were.
 
         Raises what trying again cannot mend: NetworkError (Unauthorized) while no Server has let
         it in yet, ChannelError (ChannelMissing) when the Server serves another channel; before

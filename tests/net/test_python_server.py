@@ -157,6 +157,8 @@ def test_a_python_relay_republishes_a_python_server_byte_for_byte(tmp_path):
         serving.join(timeout=10)
     with pytest.raises(tensorbucket.InvalidArgument, match="idle_timeout"):
         tensorbucket.Relay("127.0.0.1:1", up, token, idle_timeout=0)
+    with pytest.raises(tensorbucket.InvalidArgument, match="timeout must be seconds, at least 0"):
+        tensorbucket.Relay("127.0.0.1:1", up, token, timeout=-1)
 
 
 def test_server_errors_name_what_is_wrong(tmp_path):
