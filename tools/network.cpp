@@ -11,8 +11,6 @@
 namespace tensorbucket::cli {
 namespace {
 
-using namespace std::chrono_literals;
-
 int stopped(const char* what) {
   std::fprintf(stderr, "tbucket: stopped by signal %d; %s\n", stop_signal(), what);
   return 128 + stop_signal();
