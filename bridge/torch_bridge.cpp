@@ -344,6 +344,57 @@ bool fits(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation 
   return type != at::ScalarType::Undefined && type == tensor.scalar_type();
 }
 
+bool StagedTensors::add(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation where) {
+  if (!fits(tensor, entry, where)) return false;
+  const void* bytes = nullptr;
+  if (entry.byte_length != 0) {  // an empty tensor copies nothing
+    bytes = plain_bytes(tensor) ? storage_bytes(tensor) : nullptr;
+    if (bytes != nullptr) {
+      holds_.push_back(tensor.unsafeGetTensorImpl()->unsafe_storage());
+    } else {
+      by_value_.emplace_back(bytes_.size(), tensor);
+    }
+  }
+  bytes_.push_back(bytes);
+  return true;
+}
+
+void StagedTensors::clear() noexcept {
+  bytes_.clear();
+  holds_.clear();
+  by_value_.clear();
+}
+
+bool publish_in_place(Publisher& publisher, const BucketBuilder& layout, const StagedTensors& staged,
+                      std::chrono::milliseconds timeout, CudaStream stream) {
+  const auto& entries = layout.manifest().entries;
+  if (staged.size() != entries.size()) {
+    fail(ErrorCode::ManifestMismatch, "layout has ", entries.size(), " entries but ", staged.size(),
+         " tensors were staged");
+  }
+  auto reservation = publisher.reserve(layout, timeout, stream);
+  if (!reservation) return false;
+  auto where = publisher.location();
+  if (where.on_host()) {
+    for (std::size_t i = 0; i < staged.bytes_.size(); ++i) {
+      if (staged.bytes_[i] != nullptr) reservation->write(i, staged.bytes_[i]);
+    }
+  } else {
+    reservation->write_all(staged.bytes_);  // one batched copy on the device
+  }
+  if (!staged.by_value_.empty()) {
+    // copy_ lays out any strides row-major (and resolves lazy negation), straight into shared
+    // memory.
+    auto spans = reservation->entry_spans();
+    auto device = device_of(where);
+    at::NoGradGuard no_grad;
+    for (const auto& [i, tensor] : staged.by_value_) view_of(entries[i], spans[i], nullptr, device).copy_(tensor.detach());
+  }
+  // This is a publish: its copying is part of the handover, as publish() stamps it.
+  reservation->commit(Reservation::HandoverFrom::Reserve);
+  return true;
+}
+
 bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
                       std::span<const at::Tensor> tensors, std::chrono::milliseconds timeout, CudaStream stream) {
   auto where = publisher.location();
@@ -352,38 +403,18 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
     fail(ErrorCode::ManifestMismatch, "layout has ", entries.size(), " entries but ",
          tensors.size(), " tensors were given");
   }
-  // One pass over the tensors before reserving: each checked, and the bytes of each that can be
-  // copied as they are (null: copy_ it). The copy loop then touches only the bytes.
-  std::vector<const void*> bytes(tensors.size());
+  // Every tensor checked before anything is reserved.
+  StagedTensors staged;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     if (i + kAhead < tensors.size()) prefetch_impl(tensors[i + kAhead]);
     if (i + kAhead / 2 < tensors.size()) prefetch_storage(tensors[i + kAhead / 2]);
-    const auto& tensor = tensors[i];
-    if (!fits(tensor, entries[i], where)) {
+    if (!staged.add(tensors[i], entries[i], where)) {
       fail(ErrorCode::ManifestMismatch, "the tensor for entry ", Quoted{entries[i].name},
            " no longer fits the layout (", entries[i].dtype, ' ', text::Dims{entries[i].shape},
            "): build a new one with layout_of()");
     }
-    if (plain_bytes(tensor) && entries[i].byte_length != 0) bytes[i] = storage_bytes(tensor);
   }
-  auto reservation = publisher.reserve(layout, timeout, stream);
-  if (!reservation) return false;
-  auto spans = reservation->entry_spans();
-  auto device = device_of(where);
-  if (!where.on_host()) reservation->write_all(bytes);  // one batched copy on the device
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    if (bytes[i] != nullptr) {
-      if (where.on_host()) reservation->write(i, bytes[i]);
-    } else if (!spans[i].empty()) {
-      // copy_ lays out any strides row-major (and resolves lazy negation), straight into
-      // shared memory.
-      at::NoGradGuard no_grad;
-      view_of(entries[i], spans[i], nullptr, device).copy_(tensors[i].detach());
-    }
-  }
-  // This is a publish: its copying is part of the handover, as publish() stamps it.
-  reservation->commit(Reservation::HandoverFrom::Reserve);
-  return true;
+  return publish_in_place(publisher, layout, staged, timeout, stream);
 }
 
 bool publish_in_place(Publisher& publisher, const NamedTensors& tensors,

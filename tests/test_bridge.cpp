@@ -141,6 +141,42 @@ TEST(TorchBridge, AKeptLayoutPublishesEveryStepWithItsVersion) {
   EXPECT_EQ(publisher.published(), 3u);
 }
 
+// The staged form holds what it copies: the caller's tensors may go (another thread swapping
+// them out while the copy runs) and their bytes still arrive, plain or copied by value.
+TEST(TorchBridge, StagedTensorsHoldTheirBytesAfterTheCallerLetsGo) {
+  auto channel = channel_for_test();
+  auto publisher = Publisher::create(channel);
+  auto subscriber = Subscriber::attach(channel, 1s);
+  NamedTensors weights{{"plain", torch::arange(64, at::kFloat)},
+                       {"transposed", torch::arange(12, at::kInt).reshape({3, 4}).t()},
+                       {"empty", torch::zeros({0, 3})}};
+  auto layout = torch_bridge::layout_of(weights);
+  const auto& entries = layout.manifest().entries;
+  NamedTensors expected;
+  for (const auto& [name, tensor] : weights) expected.emplace_back(name, tensor.clone());
+  torch_bridge::StagedTensors staged;
+  EXPECT_FALSE(staged.add(torch::zeros({3, 4}, at::kInt), entries[1]));  // refused, nothing staged
+  EXPECT_EQ(staged.size(), 0u);
+  for (std::size_t i = 0; i < weights.size(); ++i) ASSERT_TRUE(staged.add(weights[i].second, entries[i]));
+  weights.clear();  // the staged tensors are all that is left of them
+  // Memory freed now would likely be handed out again here, and overwritten.
+  std::vector<at::Tensor> reuse;
+  for (const auto& [name, tensor] : expected) reuse.push_back(torch::full_like(tensor, -1));
+  ASSERT_TRUE(torch_bridge::publish_in_place(publisher, layout, staged, 1s));
+  staged.clear();
+  auto received = subscriber.next(1s);
+  ASSERT_TRUE(received.has_value());
+  auto views = torch_bridge::tensors(std::make_shared<const ReceivedBucket>(std::move(*received)));
+  ASSERT_EQ(views.size(), expected.size());
+  for (std::size_t i = 0; i < views.size(); ++i) {
+    EXPECT_TRUE(same_bytes(views[i].second, expected[i].second)) << views[i].first;
+  }
+  // Staged against another layout's count: refused before anything is reserved.
+  ASSERT_TRUE(staged.add(expected[0].second, entries[0]));
+  expect_error(ErrorCode::ManifestMismatch, [&] { torch_bridge::publish_in_place(publisher, layout, staged, 1s); });
+  EXPECT_EQ(publisher.published(), 1u);
+}
+
 TEST(TorchBridge, Seed002RefusesMetaTensors) {
   NamedTensors tensors{{"ok", torch::ones({2})}, {"layers.0.weight", torch::empty({4, 4}, at::kMeta)}};
   auto message = expect_error(ErrorCode::Unmaterialized, [&] { torch_bridge::make_bucket(tensors); });

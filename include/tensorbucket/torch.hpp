@@ -71,6 +71,33 @@ BucketBuilder layout_of(const NamedTensors& tensors, std::uint64_t version = 0,
 bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
                       std::span<const at::Tensor> tensors, std::chrono::milliseconds timeout,
                       CudaStream stream = nullptr);
+// A kept layout's tensors, checked and held for the copy: the two halves of the call above for
+// a caller that holds its tensors by borrowed references under a lock it gives up while
+// publishing (the Python module, under the GIL). Each tensor is held by its storage, which
+// keeps its bytes alive, rather than by a copy of the tensor: under torch 2.x a tensor's count
+// going 1 -> 2 -> 1 moves its Python object's count through the interpreter, both ways, which
+// was a quarter of a Python publish of 1000 small tensors.
+class StagedTensors {
+ public:
+  // Checks `tensor` as the next entry of a layout (`entry`, of a channel at `where`) and holds
+  // it: false, staging nothing, when it no longer fits (see fits()).
+  [[nodiscard]] bool add(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation where = {});
+  // Drops every staged tensor, keeping the capacity: a tensor may hold the last reference to
+  // its storage's Python object, so call this where such an object may be released.
+  void clear() noexcept;
+  std::size_t size() const noexcept { return bytes_.size(); }
+
+ private:
+  friend bool publish_in_place(Publisher&, const BucketBuilder&, const StagedTensors&, std::chrono::milliseconds,
+                               CudaStream);
+  std::vector<const void*> bytes_;     // each tensor's row-major bytes; null: copied by value
+  std::vector<c10::Storage> holds_;    // what keeps those bytes alive
+  std::vector<std::pair<std::size_t, at::Tensor>> by_value_;  // the others, copy_'d by position
+};
+// Publishes `staged`, staged against `layout`'s entries in order, as the call above does
+// (ManifestMismatch when their count differs). Touches no tensor's reference count.
+bool publish_in_place(Publisher& publisher, const BucketBuilder& layout, const StagedTensors& staged,
+                      std::chrono::milliseconds timeout, CudaStream stream = nullptr);
 // Whether `tensor` can travel as `entry` of a kept layout: same dtype and shape, on `where`,
 // and nothing layout_of() would refuse. Cheap enough to ask of every tensor on every step.
 bool fits(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation where = {}) noexcept;

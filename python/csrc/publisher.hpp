@@ -58,20 +58,23 @@ class PyPublisher {
     if (!turn) throw WaitTimeout{"another thread's call on channel '" + publisher_.channel() + "' took the whole timeout; nothing was published"};
     auto group_list = to_groups(groups);
     if (kept_ && kept_->groups == group_list && stage_kept(tensors)) {
-      try {
-        return publish_staged(version, bucket_index, bucket_count, deadline);
-      } catch (const Error& e) {
-        if (e.code() != ErrorCode::ManifestMismatch) throw;  // a dtype or shape changed
-      }
+      return publish_staged(version, bucket_index, bucket_count, deadline);
     }
     staged_.clear();
-    Kept fresh;
-    auto named = to_named(tensors, &fresh.keys);
-    fresh.builder =
-        torch_bridge::layout_of(named, version, bucket_index, bucket_count, group_list, publisher_.location());
-    fresh.groups = std::move(group_list);
-    for (auto& [name, tensor] : named) staged_.push_back(std::move(tensor));
-    kept_ = std::move(fresh);
+    {  // the copies of the tensors go before the copy runs without the GIL: staged_ holds them
+      Kept fresh;
+      auto named = to_named(tensors, &fresh.keys);
+      fresh.builder =
+          torch_bridge::layout_of(named, version, bucket_index, bucket_count, group_list, publisher_.location());
+      fresh.groups = std::move(group_list);
+      kept_ = std::move(fresh);
+      const auto& entries = kept_->builder.manifest().entries;
+      for (std::size_t i = 0; i < named.size(); ++i) {  // each fits: layout_of() just checked it
+        if (!staged_.add(named[i].second, entries[i], publisher_.location())) {
+          throw Error(ErrorCode::ManifestMismatch, "the tensor for entry '" + entries[i].name + "' does not fit its own layout");
+        }
+      }
+    }
     publish_staged(version, bucket_index, bucket_count, deadline);
   }
 
@@ -143,27 +146,28 @@ class PyPublisher {
     }
   }
 
-  // Fills staged_ when `tensors` hold tensors under the kept layout's names, in its order.
+  // Fills staged_ when `tensors` hold tensors that fit the kept layout, under its names, in its
+  // order.
   bool stage_kept(const py::handle& tensors) {
     staged_.clear();
     const auto& entries = kept_->builder.manifest().entries;
+    auto where = publisher_.location();
     std::size_t i = 0;
-    bool named_alike = true;
+    bool fits = true;
     for_each_item(tensors, [&](py::handle key, py::handle value) {
-      named_alike = named_alike && i < entries.size() &&
-                    names(key, kept_->keys[i], entries[i].name) && is_tensor(value);
-      if (named_alike) staged_.push_back(THPVariable_Unpack(value.ptr()));
+      fits = fits && i < entries.size() && names(key, kept_->keys[i], entries[i].name) && is_tensor(value) &&
+             staged_.add(THPVariable_Unpack(value.ptr()), entries[i], where);
       ++i;
     });
-    return named_alike && i == entries.size();
+    return fits && i == entries.size();
   }
 
   // Publishes staged_ through the kept layout, without the GIL; staged_ is emptied either way.
   void publish_staged(std::uint64_t version, std::uint32_t bucket_index,
                       std::uint32_t bucket_count, Deadline deadline) {
     struct Unstage {
-      std::vector<at::Tensor>& staged;
-      ~Unstage() { staged.clear(); }  // with the GIL: a tensor may be the last owner of its object
+      torch_bridge::StagedTensors& staged;
+      ~Unstage() { staged.clear(); }  // with the GIL (see clear())
     } unstage{staged_};
     kept_->builder.version(version).bucket(bucket_index, bucket_count);
     auto stream = current_stream(publisher_.location());
@@ -183,7 +187,7 @@ class PyPublisher {
   std::atomic<std::uint64_t> published_ = 0;  // publisher_.published(), after each publish
   Publisher publisher_;
   std::optional<Kept> kept_;
-  std::vector<at::Tensor> staged_;  // this call's tensors in layout order; reused for capacity
+  torch_bridge::StagedTensors staged_;  // this call's tensors in layout order; reused for capacity
 };
 
 }  // namespace tensorbucket::python

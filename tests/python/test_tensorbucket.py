@@ -195,6 +195,39 @@ def test_the_gil_is_free_while_publish_and_next_wait(channel):
     assert len(ticks) > 50, "another thread could not run while next() waited"
 
 
+def test_tensors_swapped_out_by_another_thread_while_publish_copies_arrive_whole(channel):
+    """publish() copies without the GIL; torch.utils.swap_tensors in another thread (what
+    nn.Module.to() does to FSDP2 parameters) may swap a tensor out and free its old memory
+    meanwhile. The copy holds what it reads: each tensor arrives as its old or its new value,
+    whole, and nothing crashes (the sanitizer builds read freed memory as an error)."""
+    tensors = {f"t{i}": torch.full((4096,), 1.0) for i in range(200)}
+    publisher = tensorbucket.Publisher(channel, slots=2)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    done, failures = threading.Event(), []
+
+    def swap():
+        try:
+            while not done.is_set():
+                for tensor in tensors.values():
+                    torch.utils.swap_tensors(tensor, torch.full((4096,), 2.0))  # the old one is freed
+        except Exception as e:  # swap_tensors refuses a tensor another reference holds
+            failures.append(e)
+
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    try:
+        for version in range(30):
+            publisher.publish(tensors, version=version)
+            with subscriber.next(timeout=5) as bucket:
+                for name, view in bucket.items():
+                    assert view[0].item() in (1.0, 2.0), name
+                    assert torch.equal(view, torch.full_like(view, view[0].item())), name
+    finally:
+        done.set()
+        swapper.join()
+    assert not failures, failures
+
+
 def test_threads_sharing_a_publisher_or_a_subscriber_take_turns(channel):
     """A C++ handle serves one thread at a time; two threads publishing through one Publisher
     crashed the interpreter before. Every bucket arrives once, whole."""
