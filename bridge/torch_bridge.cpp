@@ -375,13 +375,7 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout, const S
   auto reservation = publisher.reserve(layout, timeout, stream);
   if (!reservation) return false;
   auto where = publisher.location();
-  if (where.on_host()) {
-    for (std::size_t i = 0; i < staged.bytes_.size(); ++i) {
-      if (staged.bytes_[i] != nullptr) reservation->write(i, staged.bytes_[i]);
-    }
-  } else {
-    reservation->write_all(staged.bytes_);  // one batched copy on the device
-  }
+  reservation->write_all(staged.bytes_);
   if (!staged.by_value_.empty()) {
     // copy_ lays out any strides row-major (and resolves lazy negation), straight into shared
     // memory.

@@ -819,9 +819,10 @@ void Reservation::write_all(std::span<const void* const> sources) {
   if (sources.size() != spans_.size()) {
     fail(ErrorCode::InvalidArgument, sources.size(), " sources were given for ", spans_.size(), " entries");
   }
-  if (!state_->device) {
+  if (!state_->device) {  // as pack() copies, the lines ahead asked for
+    detail::EntryCopier copier(payload(), streaming_, near_end_.get());
     for (std::size_t i = 0; i < sources.size(); ++i) {
-      if (sources[i] != nullptr) write(i, sources[i]);
+      if (sources[i] != nullptr) copier.copy(spans_[i], static_cast<const std::byte*>(sources[i]));
     }
     return;
   }

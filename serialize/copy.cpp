@@ -253,8 +253,6 @@ void copy_paced(std::byte* destination, const std::byte* source, std::size_t byt
   }
 }
 
-namespace {
-
 // Without streaming, a store to a line that is not in cache waits for its read for ownership.
 // Asking for the next lines a little ahead of the copy lets those reads overlap the copies
 // before them. Into a slot last written two publishes ago (out of L2), 1000 x 1 KiB packed in
@@ -263,13 +261,24 @@ namespace {
 // issue 43). Entry offsets are multiples of kPayloadAlignment (256), so of a line.
 constexpr std::uint64_t kAskAhead = 2048;
 
-std::uint64_t ask_for_writing(std::span<std::byte> payload, std::uint64_t from, std::uint64_t to) noexcept {
-  to = std::min<std::uint64_t>(to, payload.size());
-  for (; from < to; from += 64) __builtin_prefetch(payload.data() + from, 1, 3);
-  return from;
+void EntryCopier::copy(std::span<std::byte> to, const std::byte* from) noexcept {
+  if (!streaming_ && to.size() <= kAskAhead) {  // larger ones gained nothing, and 256 MiB lost 1.8x
+    auto offset = static_cast<std::uint64_t>(to.data() - payload_.data());
+    auto until = std::min<std::uint64_t>(offset + to.size() + kAskAhead, payload_.size());
+    for (asked_ = std::max(asked_, offset); asked_ < until; asked_ += 64) {
+      __builtin_prefetch(payload_.data() + asked_, 1, 3);
+    }
+  }
+  if (near_end_ != nullptr && to.size() > NearEnd::kPaceBytes) return copy_paced(to.data(), from, to.size(), streaming_, *near_end_);
+  // One piece, without a call per entry when not streaming: 1000 small entries add up.
+  if (near_end_ != nullptr) near_end_->starting();
+  if (streaming_) {
+    copy_bytes(to.data(), from, to.size(), true);
+  } else {
+    std::memcpy(to.data(), from, to.size());
+  }
+  if (near_end_ != nullptr) near_end_->copied(to.size());
 }
-
-}  // namespace
 
 void pack(const BucketBuilder& bucket, std::span<std::byte> payload, NearEnd* near_end) {
   const auto& entries = bucket.manifest().entries;
@@ -281,31 +290,15 @@ void pack(const BucketBuilder& bucket, std::span<std::byte> payload, NearEnd* ne
     }
   }
   auto payload_bytes = bucket.payload_bytes();
-  auto turn = large(payload.first(payload_bytes)) ? LargeCopies::get().next() : LargeCopies::Turn{};
+  payload = payload.first(payload_bytes);
+  auto turn = large(payload) ? LargeCopies::get().next() : LargeCopies::Turn{};
   bool streaming = turn.streaming;
   auto started = turn.trial ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
-  std::uint64_t asked = 0;  // how far the lines were asked for (those of large entries never are)
+  EntryCopier copier(payload, streaming, near_end);
   auto zero = [&](std::uint64_t offset, std::uint64_t bytes) { std::memset(payload.data() + offset, 0, bytes); };
   walk_payload(entries, payload_bytes, zero, [&](std::size_t i) {
-    const auto& entry = entries[i];
-    if (!streaming && entry.byte_length <= kAskAhead) {  // larger ones gained nothing, and 256 MiB lost 1.8x
-      asked = ask_for_writing(payload.first(payload_bytes), std::max(asked, entry.byte_offset),
-                              entry.byte_offset + entry.byte_length + kAskAhead);
-    }
-    auto* to = payload.data() + entry.byte_offset;
-    if (sources[i] == nullptr) return;  // declared for in-place writing and empty (refused above otherwise)
-    if (near_end != nullptr && entry.byte_length > NearEnd::kPaceBytes) {
-      copy_paced(to, sources[i], entry.byte_length, streaming, *near_end);
-      return;
-    }
-    // One piece, without a call per entry when not streaming: 1000 small entries add up.
-    if (near_end != nullptr) near_end->starting();
-    if (streaming) {
-      copy_bytes(to, sources[i], entry.byte_length, true);
-    } else {
-      std::memcpy(to, sources[i], entry.byte_length);
-    }
-    if (near_end != nullptr) near_end->copied(entry.byte_length);
+    // Null: declared for in-place writing and empty (refused above otherwise).
+    if (sources[i] != nullptr) copier.copy(payload.subspan(entries[i].byte_offset, entries[i].byte_length), sources[i]);
   });
   if (streaming) finish_streaming();
   if (turn.trial) {

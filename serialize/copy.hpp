@@ -80,6 +80,24 @@ class NearEnd {
 void copy_paced(std::byte* destination, const std::byte* source, std::size_t bytes, bool streaming,
                 NearEnd& near_end) noexcept;
 
+// Copies a payload's entries one at a time, in payload order, as pack() does: a small entry in
+// one memcpy, with the lines of the entries after it asked for writing ahead of the copy; a
+// large one in kPaceBytes pieces told to `near_end` (when given). Streaming stores need
+// finish_streaming() after the last. What pack() and Reservation::write_all() share.
+class EntryCopier {
+ public:
+  EntryCopier(std::span<std::byte> payload, bool streaming, NearEnd* near_end) noexcept
+      : payload_(payload), streaming_(streaming), near_end_(near_end) {}
+  // `to`: the entry's bytes, within the payload.
+  void copy(std::span<std::byte> to, const std::byte* from) noexcept;
+
+ private:
+  std::span<std::byte> payload_;
+  bool streaming_;
+  NearEnd* near_end_;
+  std::uint64_t asked_ = 0;  // the offset up to which lines were asked for writing
+};
+
 // Walks a payload of `payload_bytes` laid out as `entries` (in payload order, as a builder lays
 // them out): `gap(offset, bytes)` for the padding before each entry and after the last, which
 // must be zeroed so that no bytes of an older bucket travel in it, and `entry(index)` after the

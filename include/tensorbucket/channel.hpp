@@ -180,8 +180,9 @@ class Reservation {
   // the commit (docs/channel.md, "Waiting"); writing through entry_spans() does not.
   void write(std::size_t index, const void* data);
 
-  // write(i, sources[i]) for every entry whose source is not null, on a device in one batched
-  // copy. InvalidArgument unless there is one source per entry.
+  // write(i, sources[i]) for every entry whose source is not null, in one pass (on the host, the
+  // lines of the small entries ahead are asked for writing while earlier ones are copied; on a
+  // device, one batched copy). InvalidArgument unless there is one source per entry.
   void write_all(std::span<const void* const> sources);
 
   // When the handover of a reserved bucket began, as ReceivedBucket::publish_start_ns() tells
