@@ -93,8 +93,15 @@ class Shape {
   std::int64_t operator[](std::size_t i) const noexcept { return data()[i]; }
   operator std::span<const std::int64_t>() const noexcept { return {data(), rank_}; }
 
+  // Dim by dim: std::equal becomes a memcmp call, whose wide loads of a Shape just built (as
+  // every add() of a new builder compares one) waited for its narrower stores to land: half
+  // the time of such a builder's 1000 add() calls.
   friend bool operator==(const Shape& a, const Shape& b) noexcept {
-    return std::equal(a.begin(), a.end(), b.begin(), b.end());
+    if (a.rank_ != b.rank_) return false;
+    for (std::size_t d = 0; d < a.rank_; ++d) {
+      if (a[d] != b[d]) return false;
+    }
+    return true;
   }
 
  private:
