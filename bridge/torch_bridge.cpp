@@ -5,7 +5,7 @@
 #include <cstring>
 #include <sstream>
 
-#include "ipc/device.hpp"
+#include "ipc/cuda/device.hpp"
 #include "serialize/text.hpp"
 
 namespace tensorbucket::torch_bridge {

@@ -45,9 +45,9 @@
 #include <string_view>
 #include <type_traits>
 
-#include "device.hpp"
-#include "futex.hpp"
-#include "liveness.hpp"
+#include "ipc/cuda/device.hpp"
+#include "ipc/os/futex.hpp"
+#include "ipc/os/liveness.hpp"
 
 namespace tensorbucket::ipc {
 

@@ -4,9 +4,9 @@
 #include <optional>
 
 #include "control.hpp"
-#include "liveness.hpp"
-#include "process.hpp"
-#include "segment.hpp"
+#include "ipc/os/liveness.hpp"
+#include "ipc/os/process.hpp"
+#include "ipc/os/segment.hpp"
 #include "serialize/text.hpp"
 #include "slot_storage.hpp"
 #include "tensorbucket/channel.hpp"

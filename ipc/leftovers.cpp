@@ -4,7 +4,7 @@
 #include <initializer_list>
 
 #include "control.hpp"
-#include "liveness.hpp"
+#include "ipc/os/liveness.hpp"
 #include "serialize/text.hpp"
 #include "tensorbucket/channel.hpp"
 

@@ -4,7 +4,7 @@
 #include <string>
 #include <string_view>
 
-#include "segment.hpp"
+#include "ipc/os/segment.hpp"
 
 namespace tensorbucket::ipc {
 

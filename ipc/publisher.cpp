@@ -10,12 +10,12 @@
 #include <thread>
 
 #include "control.hpp"
-#include "device.hpp"
-#include "futex.hpp"
+#include "ipc/cuda/device.hpp"
+#include "ipc/os/futex.hpp"
 #include "leftovers.hpp"
-#include "liveness.hpp"
-#include "process.hpp"
-#include "segment.hpp"
+#include "ipc/os/liveness.hpp"
+#include "ipc/os/process.hpp"
+#include "ipc/os/segment.hpp"
 #include "serialize/copy.hpp"
 #include "slot_storage.hpp"
 #include "serialize/identity.hpp"

@@ -5,7 +5,7 @@
 #include <map>
 #include <mutex>
 
-#include "process.hpp"
+#include "ipc/os/process.hpp"
 #include "serialize/text.hpp"
 #include "tensorbucket/error.hpp"
 

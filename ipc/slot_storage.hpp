@@ -22,8 +22,8 @@
 #include <string>
 
 #include "control.hpp"
-#include "device.hpp"
-#include "segment.hpp"
+#include "ipc/cuda/device.hpp"
+#include "ipc/os/segment.hpp"
 
 namespace tensorbucket::ipc {
 

@@ -9,12 +9,12 @@
 #include <unordered_map>
 
 #include "control.hpp"
-#include "device.hpp"
-#include "futex.hpp"
+#include "ipc/cuda/device.hpp"
+#include "ipc/os/futex.hpp"
 #include "leftovers.hpp"
-#include "liveness.hpp"
-#include "process.hpp"
-#include "segment.hpp"
+#include "ipc/os/liveness.hpp"
+#include "ipc/os/process.hpp"
+#include "ipc/os/segment.hpp"
 #include "serialize/text.hpp"
 #include "slot_storage.hpp"
 #include "tensorbucket/channel.hpp"

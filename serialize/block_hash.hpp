@@ -4,7 +4,7 @@
 // words, zero-padded, dealt to kHashLanes lanes in turn (word j to lane j mod 32); each lane
 // mixes its words in order, the lanes are folded in order, and the payload's hash is the
 // xxh3-64 of the block hashes (little-endian 64-bit words). The arithmetic below is compiled
-// for the host (serialize/block_hash.cpp) and by nvcc for the kernel (ipc/block_hash.cu).
+// for the host (serialize/block_hash.cpp) and by nvcc for the kernel (ipc/cuda/block_hash.cu).
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// A stand-in for the CUDA driver (ipc/device.hpp's table) over host memory, so the device
+// A stand-in for the CUDA driver (ipc/cuda/device.hpp's table) over host memory, so the device
 // path of a channel runs where there is no GPU: allocations are memfd's that another process
 // of ours imports through /proc/PID/fd, copies are memcpy, and streams run at once, so events
 // have nothing to wait for; they are counted instead, for tests that check who waits on what.
@@ -11,7 +11,7 @@
 #include <mutex>
 #include <vector>
 
-#include "ipc/device.hpp"
+#include "ipc/cuda/device.hpp"
 
 namespace tensorbucket::test {
 

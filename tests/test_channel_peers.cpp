@@ -16,7 +16,7 @@
 #include <thread>
 
 #include "channel_support.hpp"
-#include "ipc/liveness.hpp"
+#include "ipc/os/liveness.hpp"
 #include "ipc/test_hooks.hpp"
 #include "support.hpp"
 

@@ -12,12 +12,12 @@
 #include <cudaTypedefs.h>
 
 #include "device_query.hpp"
-#include "ipc/cuda_driver.hpp"
+#include "ipc/cuda/cuda_driver.hpp"
 
 namespace tensorbucket {
 namespace {
 
-// The driver ABI the library declares itself (ipc/cuda_driver.hpp), against cuda.h.
+// The driver ABI the library declares itself (ipc/cuda/cuda_driver.hpp), against cuda.h.
 namespace abi = ipc::cuda;
 static_assert(sizeof(abi::CUdeviceptr) == sizeof(CUdeviceptr));
 static_assert(sizeof(abi::CUuuid) == sizeof(CUuuid));

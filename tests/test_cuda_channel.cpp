@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "channel_support.hpp"
-#include "ipc/cuda_driver.hpp"
+#include "ipc/cuda/cuda_driver.hpp"
 #include "ipc/slot_storage.hpp"
 #include "pattern.hpp"
 #include "serialize/block_hash.hpp"
@@ -124,7 +124,7 @@ int consume(const std::string& channel, std::uint64_t buckets, std::uint64_t imp
 
 class CudaChannel : public test::ChannelTest {};
 
-// The kernel's block hash (ipc/block_hash.cu, loaded from the library's PTX) against the
+// The kernel's block hash (ipc/cuda/block_hash.cu, loaded from the library's PTX) against the
 // host's (serialize/block_hash.cpp) of the same bytes, at sizes around the block and word
 // boundaries.
 TEST(CudaBlockHash, TheKernelHashesAsTheHostDoes) {

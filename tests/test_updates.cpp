@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "channel_support.hpp"
-#include "ipc/liveness.hpp"
+#include "ipc/os/liveness.hpp"
 #include "support.hpp"
 
 namespace tensorbucket {

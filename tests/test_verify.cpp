@@ -130,7 +130,7 @@ std::vector<std::byte> pattern(std::size_t bytes) {
   return out;
 }
 
-// Pinned: producers, consumers and the kernel (ipc/block_hash.cu, compared with this on a GPU
+// Pinned: producers, consumers and the kernel (ipc/cuda/block_hash.cu, compared with this on a GPU
 // by test_cuda_channel) must agree, so a change here is a change of the format. The values
 // were checked against a separate implementation of docs/format.md's definition.
 TEST(BlockHash, KnownValues) {

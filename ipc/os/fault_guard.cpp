@@ -1,4 +1,4 @@
-#include "fault_guard.hpp"
+#include "ipc/os/fault_guard.hpp"
 
 #include <pthread.h>
 #include <signal.h>

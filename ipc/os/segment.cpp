@@ -1,4 +1,4 @@
-#include "segment.hpp"
+#include "ipc/os/segment.hpp"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -13,10 +13,10 @@
 
 #include <boost/interprocess/shared_memory_object.hpp>
 
-#include "liveness.hpp"
+#include "ipc/os/liveness.hpp"
 #include "serialize/text.hpp"
 #include "tensorbucket/error.hpp"
-#include "test_hooks.hpp"
+#include "ipc/test_hooks.hpp"
 
 namespace tensorbucket::ipc {
 

@@ -1,4 +1,4 @@
-#include "descriptor.hpp"
+#include "ipc/os/descriptor.hpp"
 
 #include <fcntl.h>
 #include <pthread.h>

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "device.hpp"
+#include "ipc/cuda/device.hpp"
 
 namespace tensorbucket::ipc::cuda {
 

@@ -1,4 +1,4 @@
-#include "process.hpp"
+#include "ipc/os/process.hpp"
 
 #include <pthread.h>
 #include <sys/stat.h>
@@ -6,7 +6,7 @@
 
 #include <atomic>
 
-#include "control.hpp"
+#include "ipc/control.hpp"
 
 namespace tensorbucket::ipc {
 

@@ -14,7 +14,7 @@
 #include <optional>
 #include <vector>
 
-#include "cuda_driver.hpp"
+#include "ipc/cuda/cuda_driver.hpp"
 #include "serialize/block_hash.hpp"
 #include "serialize/text.hpp"
 

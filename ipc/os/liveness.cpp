@@ -1,4 +1,4 @@
-#include "liveness.hpp"
+#include "ipc/os/liveness.hpp"
 
 #include <fcntl.h>
 

@@ -1,4 +1,4 @@
-#include "device.hpp"
+#include "ipc/cuda/device.hpp"
 
 #include <atomic>
 #include <cstdio>
@@ -6,8 +6,8 @@
 #include <mutex>
 #include <vector>
 
-#include "cuda_driver.hpp"
-#include "process.hpp"
+#include "ipc/cuda/cuda_driver.hpp"
+#include "ipc/os/process.hpp"
 #include "serialize/block_hash.hpp"
 #include "serialize/text.hpp"
 

@@ -10,8 +10,8 @@
 #include <span>
 #include <string>
 
-#include "descriptor.hpp"
-#include "fault_guard.hpp"
+#include "ipc/os/descriptor.hpp"
+#include "ipc/os/fault_guard.hpp"
 
 namespace tensorbucket::ipc {
 
