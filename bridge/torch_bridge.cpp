@@ -5,7 +5,6 @@
 #include <cstring>
 #include <sstream>
 
-#include "ipc/cuda/device.hpp"
 #include "serialize/text.hpp"
 
 namespace tensorbucket::torch_bridge {
@@ -248,7 +247,7 @@ NamedTensors views_of(const BucketView& view, const std::shared_ptr<const void>&
 void load_on_device(const NamedTensors& targets, const BucketView& bucket, const std::vector<std::size_t>& entries,
                     CudaStream stream) {
   auto device = device_of(bucket.location());
-  std::vector<ipc::DeviceCopy> copies;
+  std::vector<CudaCopy> copies;
   copies.reserve(targets.size());
   for (std::size_t t = 0; t < targets.size(); ++t) {
     const auto& target = targets[t].second;
@@ -259,13 +258,11 @@ void load_on_device(const NamedTensors& targets, const BucketView& bucket, const
     if (!takes) {
       target.copy_(view_of(bucket.manifest().entries[i], bytes, nullptr, device));
     } else if (!bytes.empty()) {
-      copies.push_back({reinterpret_cast<ipc::DeviceAddress>(storage_bytes(target)),
-                        reinterpret_cast<ipc::DeviceAddress>(bytes.data()), bytes.size()});
+      copies.push_back({const_cast<void*>(storage_bytes(target)), bytes.data(), bytes.size()});
       target.unsafeGetTensorImpl()->bump_version();
     }
   }
-  ipc::DeviceScope scope(bucket.location().device);
-  ipc::copy_batch(copies.data(), copies.size(), stream);
+  copy_on_device(bucket.location().device, copies, stream);
 }
 
 }  // namespace

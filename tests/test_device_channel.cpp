@@ -42,6 +42,23 @@ bool contains(const std::vector<std::uint64_t>& ids, std::uint64_t id) {
   return std::find(ids.begin(), ids.end(), id) != ids.end();
 }
 
+// The public device copy (what the torch bridge loads a device bucket with): one batch on the
+// stream, each byte where it was asked and none elsewhere; a failed call is named.
+TEST_F(DeviceChannel, CopyOnDeviceQueuesOneBatchOfEveryCopy) {
+  std::vector<std::byte> from(300), to(300, std::byte{0});
+  for (std::size_t i = 0; i < from.size(); ++i) from[i] = static_cast<std::byte>(i + 1);
+  std::vector<CudaCopy> copies{{to.data(), from.data(), 100}, {to.data() + 200, from.data() + 100, 100}};
+  copy_on_device(0, copies, nullptr);
+  EXPECT_EQ(StandIn::copy_calls, 1);
+  EXPECT_EQ(StandIn::copies, 2);
+  EXPECT_EQ(std::memcmp(to.data(), from.data(), 100), 0);
+  EXPECT_TRUE(std::all_of(to.begin() + 100, to.begin() + 200, [](std::byte b) { return b == std::byte{0}; }));
+  EXPECT_EQ(std::memcmp(to.data() + 200, from.data() + 100, 100), 0);
+  StandIn::fail_next = "copy";
+  auto message = expect_error(ErrorCode::CudaFailed, [&] { copy_on_device(0, std::span(copies).first(1), nullptr); });
+  EXPECT_NE(message.find("cuMemcpyAsync"), std::string::npos) << message;
+}
+
 TEST_F(DeviceChannel, ForkedConsumerReceivesEveryByteOfEveryBucket) {
   Workload workload{.buckets = 60, .tensors = 12, .tensor_bytes = 3000};
   auto publisher = Publisher::create(channel, on_device());

@@ -70,6 +70,19 @@ struct Lease;
 // legacy default stream. Host channels ignore it.
 using CudaStream = void*;
 
+// One copy of `bytes` between two addresses CUDA can reach (device memory, or host memory
+// registered with it).
+struct CudaCopy {
+  void* to;
+  const void* from;
+  std::uint64_t bytes;
+};
+// Queues `copies` on `stream`, on CUDA device `device` (this process's ordinal): in one batched
+// driver call where the driver takes one, else one call each, as a device channel's
+// Reservation::write_all() copies. CudaUnavailable without a driver, CudaFailed naming the call
+// that failed.
+void copy_on_device(int device, std::span<const CudaCopy> copies, CudaStream stream);
+
 // What the producer does when the slot it needs next is still needed by a consumer.
 enum class OverflowPolicy : std::uint8_t {
   Block,   // wait (bounded) for it: lossless, in order

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "ipc/cuda/cuda_driver.hpp"
+#include "tensorbucket/channel.hpp"
 #include "ipc/os/process.hpp"
 #include "serialize/block_hash.hpp"
 #include "serialize/text.hpp"
@@ -209,3 +210,17 @@ DeviceScope::DeviceScope(int ordinal) { check_device(device_api().enter(ordinal)
 DeviceScope::~DeviceScope() { device_api().leave(); }
 
 }  // namespace tensorbucket::ipc
+
+namespace tensorbucket {
+
+void copy_on_device(int device, std::span<const CudaCopy> copies, CudaStream stream) {
+  std::vector<ipc::DeviceCopy> batch;
+  batch.reserve(copies.size());
+  for (const auto& copy : copies) {
+    batch.push_back({reinterpret_cast<ipc::DeviceAddress>(copy.to), reinterpret_cast<ipc::DeviceAddress>(copy.from), copy.bytes});
+  }
+  ipc::DeviceScope scope(device);
+  ipc::copy_batch(batch.data(), batch.size(), stream);
+}
+
+}  // namespace tensorbucket
