@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "control.hpp"
-#include "ipc/cuda/device.hpp"
+#include "ipc/cuda/release_events.hpp"
 #include "ipc/os/futex.hpp"
 #include "leftovers.hpp"
 #include "ipc/os/liveness.hpp"
@@ -58,69 +58,6 @@ std::string describe(const ipc::ProcessLabel& process) {
 
 }  // namespace
 
-// A CUDA channel's consumers' release events (control.hpp, ReleaseEvents), imported once per
-// attach of each record (a consumer in this process lends its own). A record whose events
-// cannot be imported (a peer wrote garbage there) gets no ordering on the device:
-// docs/channel.md, "CUDA".
-class ReleaseWaits {
- public:
-  explicit ReleaseWaits(int device) : device_(device) {}
-
-  // Makes `stream` wait until every live consumer that holds a record now finished, on its
-  // device streams, the work it queued before releasing slot `s`. A dead one's work died with
-  // it: its events are not waited on (nor is what became of them known).
-  void wait(ipc::ControlBlock& control, int locks, std::uint32_t s, std::uint32_t slot_count, ipc::DeviceStream stream) {
-    const auto& api = ipc::device_api();
-    for (std::uint32_t r = 0; r < ipc::kMaxConsumers; ++r) {
-      auto token = ipc::claim_token(ipc::atomic(control.consumers[r].claim).load(std::memory_order_acquire));
-      auto& record = records_[r];
-      if (token != 0 && !ipc::held_by_other(locks, ipc::consumer_lock_byte(r))) token = 0;
-      if (record.token != token) {
-        record.close();
-        record.token = token;
-        if (token != 0) record.open(control.release_events[r], slot_count);
-      }
-      if (record.events[s] != nullptr) ipc::check_device(api.wait_event(stream, record.events[s]), "cuStreamWaitEvent");
-    }
-  }
-
-  ~ReleaseWaits() {
-    if (owner_.forked()) return;  // the events are the parent's
-    try {
-      ipc::DeviceScope scope(device_);
-      for (auto& record : records_) record.close();
-    } catch (const Error&) {
-      // The context is gone (the driver shutting down): so are the events.
-    }
-  }
-
- private:
-  struct Record {
-    std::uint64_t token = 0;
-    ipc::DeviceEvent events[ipc::kMaxSlots] = {};
-    bool imported[ipc::kMaxSlots] = {};  // else a consumer's in this process, or none
-    void open(const ipc::ReleaseEvents& shared, std::uint32_t slot_count) {
-      for (std::uint32_t s = 0; s < slot_count; ++s) {
-        auto handle = shared.slots[s];  // one copy of what a peer may be writing
-        events[s] = ipc::own_event(handle);
-        if (events[s] != nullptr) continue;
-        imported[s] = ipc::device_api().import_event(&events[s], handle) == 0;
-        if (!imported[s]) events[s] = nullptr;
-      }
-    }
-    void close() noexcept {
-      for (std::uint32_t s = 0; s < ipc::kMaxSlots; ++s) {
-        if (imported[s]) ipc::device_api().destroy_event(events[s]);
-        events[s] = nullptr;
-        imported[s] = false;
-      }
-    }
-  };
-  int device_;
-  ipc::Owner owner_;
-  Record records_[ipc::kMaxConsumers];
-};
-
 struct detail::PublisherState {
   // What this producer wrote into a slot's SlotControl, kept here and never read back from
   // shared memory, which any consumer can write.
@@ -139,7 +76,7 @@ struct detail::PublisherState {
   std::vector<Slot> slots;
   std::uint32_t open_slot = 0;  // the slot claimed for the bucket being written
   std::optional<int> device;  // the CUDA ordinal of a device channel
-  std::optional<ReleaseWaits> release_waits;  // device channels
+  std::optional<ipc::ReleaseWaits> release_waits;  // device channels
   ipc::DeviceStream stream = nullptr;  // of the bucket being written (device channels)
   std::uint64_t published = 0;
   std::uint64_t updates = 0;  // updates begun: buckets with index 0 published

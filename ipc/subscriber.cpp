@@ -9,7 +9,7 @@
 #include <unordered_map>
 
 #include "control.hpp"
-#include "ipc/cuda/device.hpp"
+#include "ipc/cuda/release_events.hpp"
 #include "ipc/os/futex.hpp"
 #include "leftovers.hpp"
 #include "ipc/os/liveness.hpp"
@@ -56,45 +56,6 @@ constexpr int kClaimRetries = 1000;
 
 }  // namespace
 
-// A consumer's release events on a CUDA channel (control.hpp, ReleaseEvents): one per slot,
-// taken from the process's pool at attach and given back at detach.
-struct ReleaseEvents {
-  int device;
-  std::vector<ipc::PooledEvent> events;
-  ipc::Owner owner;
-
-  ReleaseEvents(int ordinal, std::uint32_t slot_count) : device(ordinal) {
-    ipc::DeviceScope scope(device);
-    try {
-      for (std::uint32_t s = 0; s < slot_count; ++s) events.push_back(ipc::take_event(device));
-    } catch (...) {
-      give_back();
-      throw;
-    }
-  }
-  ReleaseEvents(const ReleaseEvents&) = delete;
-  ReleaseEvents& operator=(const ReleaseEvents&) = delete;
-  ~ReleaseEvents() {
-    if (!owner.forked()) give_back();  // else the parent's
-  }
-
-  // Waits on the host for the work each release was ordered after: the producer stops waiting
-  // on our events once our record is free, so that work must be done before it is. The one
-  // host wait of a consumer, at detach.
-  void wait_for_releases() noexcept {
-    try {
-      ipc::DeviceScope scope(device);
-      for (const auto& event : events) ipc::device_api().synchronize_event(event.event);
-    } catch (const Error&) {
-      // The context is gone (the driver shutting down): so is the work.
-    }
-  }
-  void give_back() noexcept {
-    for (const auto& event : events) ipc::give_back_event(device, event);
-    events.clear();
-  }
-};
-
 // A bucket a slot holds, with its place in its update as the producer wrote it (a hint,
 // confirmed by the verified manifest before anything is handed out).
 struct HeldBucket {
@@ -127,7 +88,7 @@ struct detail::SubscriberState {
   Clock::time_point last_liveness_check{};
   ManifestCache manifests;  // a producer resends the same layout every step
   ipc::Owner owner;
-  std::optional<ReleaseEvents> release_events;  // CUDA channels; given back after the record is freed
+  std::optional<ipc::OwnReleaseEvents> release_events;  // CUDA channels; given back after the record is freed
 
   // On a CUDA channel, `device` is its device, which this process numbers `where.device`.
   SubscriberState(std::string name, ipc::Segment segment, std::uint32_t slots_in_channel, ipc::PayloadHome payload_home,
@@ -210,14 +171,7 @@ struct detail::SubscriberState {
   // Where the event cannot be recorded (a stream of another context, say), the stream's work
   // is waited for on the host instead: the slot is given back only after it either way.
   void record_release(std::uint32_t s, CudaStream stream) noexcept {
-    if (!release_events) return;
-    try {
-      ipc::DeviceScope scope(release_events->device);
-      const auto& api = ipc::device_api();
-      if (api.record_event(release_events->events[s].event, stream) != 0) api.synchronize(stream);
-    } catch (const Error&) {
-      // Without a context there is no work left to order.
-    }
+    if (release_events) release_events->record(s, stream);
   }
 
   // How many buckets the producer published, checked. Seq_cst: after our claim, the loads
