@@ -1,6 +1,7 @@
 #include "slot_storage.hpp"
 
 #include <algorithm>
+#include <cstring>
 #include <atomic>
 #include <map>
 #include <mutex>
@@ -318,6 +319,45 @@ std::optional<SlotMapping> SlotReader::map(SlotControl& shared, SlotDevice& devi
   mapping.ready = imported_->ready;
   mapping.device = imported_->ordinal;
   return mapping;
+}
+
+void SlotMapping::make_ready(const BucketView& view, bool check_payload_hash, DeviceStream stream,
+                             std::uint64_t bucket) const {
+  if (!imported) return;
+  DeviceScope scope(device);
+  check_device(device_api().wait_event(stream, ready), "cuStreamWaitEvent");
+  auto expected = view.payload_checksum();
+  if (!expected || !check_payload_hash) return;
+  if (!expected->block_hash) {
+    fail(ErrorCode::HeaderCorrupt, "bucket ", bucket, " on a device carries an xxh3-64 payload hash, not the block hash");
+  }
+  // Within the imported block: open() checked the payload's size against it.
+  auto bytes = view.payload();
+  auto hash = device_block_hash(device, reinterpret_cast<DeviceAddress>(bytes.data()), bytes.size(), stream);
+  if (hash != expected->value) {
+    fail(ErrorCode::ChecksumMismatch, "payload hash 0x", std::hex, hash, " of bucket ", std::dec, bucket,
+         " does not match the header's 0x", std::hex, expected->value);
+  }
+}
+
+void SlotMapping::wait_ready(DeviceStream stream) const {
+  if (!imported) return;
+  DeviceScope scope(device);
+  check_device(device_api().synchronize(stream), "cuStreamSynchronize");
+}
+
+std::vector<std::byte> SlotMapping::copy_to_host(std::uint64_t bytes, DeviceStream stream) const {
+  std::vector<std::byte> copy(bytes);
+  if (!imported) {
+    std::memcpy(copy.data(), payload.data(), bytes);
+    return copy;
+  }
+  DeviceScope scope(device);
+  const auto& api = device_api();
+  DeviceCopy back{reinterpret_cast<DeviceAddress>(copy.data()), reinterpret_cast<DeviceAddress>(payload.data()), bytes};
+  check_device(api.copy(&back, 1, stream), "cuMemcpyAsync");
+  check_device(api.synchronize(stream), "cuStreamSynchronize");
+  return copy;
 }
 
 }  // namespace tensorbucket::ipc

@@ -20,10 +20,12 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "control.hpp"
 #include "ipc/cuda/device.hpp"
 #include "ipc/os/segment.hpp"
+#include "tensorbucket/bucket.hpp"
 
 namespace tensorbucket::ipc {
 
@@ -87,6 +89,19 @@ struct SlotMapping {
   std::span<const std::byte> payload;  // host or device addresses, as far as is mapped
   DeviceEvent ready = nullptr;         // CUDA: wait on it before the payload is read
   int device = -1;                     // CUDA: this process's ordinal of the payload's device
+
+  // Makes bucket `bucket`, verified as `view` over this mapping, usable on `stream`: on a
+  // device, the stream waits for the producer's writing of it, and the payload's block hash is
+  // checked there when `check_payload_hash` (the one check that waits for the device); on the
+  // host, verification already did all of it. What is checked is the header `view` verified,
+  // never the frame again: a peer may have changed it since. HeaderCorrupt for a device bucket
+  // with an xxh3-64 payload hash, ChecksumMismatch.
+  void make_ready(const BucketView& view, bool check_payload_hash, DeviceStream stream, std::uint64_t bucket) const;
+  // Waits on the host until what `stream` queued on the payload is done (nothing to wait for
+  // on the host).
+  void wait_ready(DeviceStream stream) const;
+  // The payload's first `bytes`, copied into host memory (on a device: on `stream`, waited for).
+  std::vector<std::byte> copy_to_host(std::uint64_t bytes, DeviceStream stream) const;
 };
 
 // A consumer's reader of one slot: maps each epoch once. On a CUDA channel, `device` is the

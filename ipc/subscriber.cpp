@@ -341,31 +341,6 @@ struct detail::SubscriberState {
     }
   }
 
-  // A verified device bucket made usable on `stream`: the stream made to wait for the
-  // producer's writing of it, then its payload hash checked when asked (on the device: the one
-  // host wait of a consumer's next()).
-  // What is checked is the header `view` verified, never the frame again: a peer may have
-  // changed it since.
-  void ready_on_device(const ipc::SlotMapping& mapping, const BucketView& view, const VerifyOptions& options,
-                       CudaStream stream, std::uint64_t bucket) {
-    ipc::DeviceScope scope(mapping.device);
-    const auto& api = ipc::device_api();
-    ipc::check_device(api.wait_event(stream, mapping.ready), "cuStreamWaitEvent");
-    auto expected = view.payload_checksum();
-    if (!expected || !options.check_payload_checksum) return;
-    if (!expected->block_hash) {
-      fail(ErrorCode::HeaderCorrupt, "bucket ", bucket, " on a device carries an xxh3-64 payload hash, not the block hash");
-    }
-    // Within the imported block: open() checked the payload's size against it.
-    auto payload = view.payload();
-    auto hash = ipc::device_block_hash(mapping.device, reinterpret_cast<ipc::DeviceAddress>(payload.data()),
-                                       payload.size(), stream);
-    if (hash != expected->value) {
-      fail(ErrorCode::ChecksumMismatch, "payload hash 0x", std::hex, hash, " of bucket ", std::dec, bucket,
-           " does not match the header's 0x", std::hex, expected->value);
-    }
-  }
-
   // Slot `s`'s bucket as mapped here (slot_storage.hpp).
   ipc::SlotMapping map_slot(std::uint32_t s) {
     auto mapping = slots[s].map(control->slots[s], control->device_slots[s]);
@@ -634,7 +609,7 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
         if (Clock::now() >= deadline) return std::nullopt;
         continue;
       }
-      if (mapping.imported) state.ready_on_device(mapping, view, options, stream, bucket);
+      mapping.make_ready(view, options.check_payload_checksum, stream, bucket);
       bool ends_update = view.bucket_index() + 1 == view.bucket_count();
       state.position = ends_update ? Position::AtBoundary : Position::InUpdate;
       ipc::atomic(state.record->next_update).store(place.ordinal + (ends_update ? 1 : 0), std::memory_order_relaxed);
@@ -803,29 +778,14 @@ PayloadLocation Subscriber::location() const noexcept { return state_->location;
 
 void ReceivedBucket::wait_ready() const {
   if (!lease_) fail(ErrorCode::InvalidArgument, "bucket ", sequence_, " was released");
-  if (!lease_->mapping.imported) return;
-  ipc::DeviceScope scope(lease_->mapping.device);
-  ipc::check_device(ipc::device_api().synchronize(lease_->stream), "cuStreamSynchronize");
+  lease_->mapping.wait_ready(lease_->stream);
 }
 
 std::vector<std::byte> ReceivedBucket::copy_to_host() const {
   if (!lease_) fail(ErrorCode::InvalidArgument, "bucket ", sequence_, " was released");
   // All of the payload, the padding after each entry included: what its checksum covers, and
   // the bytes serve sends of a device bucket.
-  auto end = view_.payload().size();
-  const auto& mapping = lease_->mapping;
-  std::vector<std::byte> copy(end);
-  if (!mapping.imported) {
-    std::memcpy(copy.data(), mapping.payload.data(), end);
-    return copy;
-  }
-  ipc::DeviceScope scope(mapping.device);
-  const auto& api = ipc::device_api();
-  ipc::DeviceCopy back{reinterpret_cast<ipc::DeviceAddress>(copy.data()),
-                       reinterpret_cast<ipc::DeviceAddress>(mapping.payload.data()), end};
-  ipc::check_device(api.copy(&back, 1, lease_->stream), "cuMemcpyAsync");
-  ipc::check_device(api.synchronize(lease_->stream), "cuStreamSynchronize");
-  return copy;
+  return lease_->mapping.copy_to_host(view_.payload().size(), lease_->stream);
 }
 
 }  // namespace tensorbucket
