@@ -344,20 +344,30 @@ bool fits(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation 
 bool StagedTensors::add(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation where) {
   if (!fits(tensor, entry, where)) return false;
   const void* bytes = nullptr;
-  if (entry.byte_length != 0) {  // an empty tensor copies nothing
-    bytes = plain_bytes(tensor) ? storage_bytes(tensor) : nullptr;
+  if (entry.byte_length != 0) bytes = plain_bytes(tensor) ? storage_bytes(tensor) : nullptr;
+  // Nothing staged when an allocation throws: the vectors stay one entry each.
+  auto index = bytes_.size();
+  auto held = holds_.size();
+  try {
+    bytes_.push_back(bytes);
+    lengths_.push_back(entry.byte_length);
     if (bytes != nullptr) {
       holds_.push_back(tensor.unsafeGetTensorImpl()->unsafe_storage());
-    } else {
-      by_value_.emplace_back(bytes_.size(), tensor);
+    } else if (entry.byte_length != 0) {  // an empty tensor copies nothing
+      by_value_.emplace_back(index, tensor);
     }
+  } catch (...) {
+    bytes_.resize(index);
+    lengths_.resize(index);
+    holds_.resize(held);
+    throw;
   }
-  bytes_.push_back(bytes);
   return true;
 }
 
 void StagedTensors::clear() noexcept {
   bytes_.clear();
+  lengths_.clear();
   holds_.clear();
   by_value_.clear();
 }
@@ -368,6 +378,12 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout, const S
   if (staged.size() != entries.size()) {
     fail(ErrorCode::ManifestMismatch, "layout has ", entries.size(), " entries but ", staged.size(),
          " tensors were staged");
+  }
+  for (std::size_t i = 0; i < entries.size(); ++i) {  // the copy reads byte_length from each source
+    if (staged.lengths_[i] != entries[i].byte_length) {
+      fail(ErrorCode::ManifestMismatch, "the tensor staged for entry ", Quoted{entries[i].name}, " has ",
+           staged.lengths_[i], " bytes where the layout has ", entries[i].byte_length, ": staged against another layout");
+    }
   }
   auto reservation = publisher.reserve(layout, timeout, stream);
   if (!reservation) return false;

@@ -171,9 +171,13 @@ TEST(TorchBridge, StagedTensorsHoldTheirBytesAfterTheCallerLetsGo) {
   for (std::size_t i = 0; i < views.size(); ++i) {
     EXPECT_TRUE(same_bytes(views[i].second, expected[i].second)) << views[i].first;
   }
-  // Staged against another layout's count: refused before anything is reserved.
+  // Staged against another layout, of another count or with larger entries (whose copy would
+  // read past the staged tensors): refused before anything is reserved.
   ASSERT_TRUE(staged.add(expected[0].second, entries[0]));
   expect_error(ErrorCode::ManifestMismatch, [&] { torch_bridge::publish_in_place(publisher, layout, staged, 1s); });
+  auto larger = torch_bridge::layout_of({{"plain", torch::zeros({1 << 16})}});
+  auto message = expect_error(ErrorCode::ManifestMismatch, [&] { torch_bridge::publish_in_place(publisher, larger, staged, 1s); });
+  EXPECT_NE(message.find("'plain'"), std::string::npos) << message;
   EXPECT_EQ(publisher.published(), 1u);
 }
 

@@ -73,10 +73,12 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
                       CudaStream stream = nullptr);
 // A kept layout's tensors, checked and held for the copy: the two halves of the call above for
 // a caller that holds its tensors by borrowed references under a lock it gives up while
-// publishing (the Python module, under the GIL). Each tensor is held by its storage, which
-// keeps its bytes alive, rather than by a copy of the tensor: under torch 2.x a tensor's count
-// going 1 -> 2 -> 1 moves its Python object's count through the interpreter, both ways, which
-// was a quarter of a Python publish of 1000 small tensors.
+// publishing (the Python module, under the GIL). Each tensor is held by its storage rather
+// than by a copy of the tensor: under torch 2.x a tensor's count going 1 -> 2 -> 1 moves its
+// Python object's count through the interpreter, both ways, which was a quarter of a Python
+// publish of 1000 small tensors. A held storage outlives its tensor (swapped out or dropped by
+// another thread), but not a resize of itself: resize_() of a storage being published (FSDP's
+// resize_(0)) frees the bytes under the copy, as it would under any reader.
 class StagedTensors {
  public:
   // Checks `tensor` as the next entry of a layout (`entry`, of a channel at `where`) and holds
@@ -91,11 +93,13 @@ class StagedTensors {
   friend bool publish_in_place(Publisher&, const BucketBuilder&, const StagedTensors&, std::chrono::milliseconds,
                                CudaStream);
   std::vector<const void*> bytes_;     // each tensor's row-major bytes; null: copied by value
+  std::vector<std::uint64_t> lengths_;  // each entry's byte_length, checked against the layout
   std::vector<c10::Storage> holds_;    // what keeps those bytes alive
   std::vector<std::pair<std::size_t, at::Tensor>> by_value_;  // the others, copy_'d by position
 };
-// Publishes `staged`, staged against `layout`'s entries in order, as the call above does
-// (ManifestMismatch when their count differs). Touches no tensor's reference count.
+// Publishes `staged`, staged against `layout`'s entries in order, as the call above does:
+// ManifestMismatch, before anything is reserved, when their count or an entry's byte length
+// differs (staged against another layout). Moves no tensor's reference count.
 bool publish_in_place(Publisher& publisher, const BucketBuilder& layout, const StagedTensors& staged,
                       std::chrono::milliseconds timeout, CudaStream stream = nullptr);
 // Whether `tensor` can travel as `entry` of a kept layout: same dtype and shape, on `where`,

@@ -69,10 +69,15 @@ class PyPublisher {
       fresh.groups = std::move(group_list);
       kept_ = std::move(fresh);
       const auto& entries = kept_->builder.manifest().entries;
-      for (std::size_t i = 0; i < named.size(); ++i) {  // each fits: layout_of() just checked it
-        if (!staged_.add(named[i].second, entries[i], publisher_.location())) {
-          throw Error(ErrorCode::ManifestMismatch, "the tensor for entry '" + entries[i].name + "' does not fit its own layout");
+      try {
+        for (std::size_t i = 0; i < named.size(); ++i) {  // each fits: layout_of() just checked it
+          if (!staged_.add(named[i].second, entries[i], publisher_.location())) {
+            throw Error(ErrorCode::ManifestMismatch, "the tensor for entry '" + entries[i].name + "' does not fit its own layout");
+          }
         }
+      } catch (...) {
+        staged_.clear();  // holds nothing past the call
+        throw;
       }
     }
     publish_staged(version, bucket_index, bucket_count, deadline);
