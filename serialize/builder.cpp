@@ -61,21 +61,19 @@ bool same_entry(const ManifestEntry& entry, std::string_view name, DType dtype, 
 // Layouts with groups are neither left nor repeated: they are rare, and their members may be
 // named before they are added.
 BucketBuilder::~BucketBuilder() {
+  try {
+    settle();  // the table then indexes this layout
+  } catch (...) {  // out of memory: keep nothing
+    return;
+  }
   auto count = manifest_.entries.size();
   if (count == 0 || count > kMaxLeftEntries || !manifest_.groups.empty()) return;
   auto* left = leftovers();
   if (left == nullptr) return;
-  if (last_.repeating && count != last_.entries.size()) {
-    try {
-      stop_repeating();  // the table then indexes this layout
-    } catch (...) {      // out of memory: keep nothing
-      return;
-    }
-  }
-  last_.entries.clear();
+  last_.spare.clear();
   sources_.clear();
   left->layout = std::move(manifest_.entries);
-  left->spare = std::move(last_.entries);
+  left->spare = std::move(last_.spare);
   left->sources = std::move(sources_);
   left->slots = std::move(entry_slots_);
   left->encoded = std::move(encoded_);  // empty when the builder changed after its last encoding
@@ -86,17 +84,24 @@ void BucketBuilder::take_leftovers() {
   last_.taken = true;
   auto* left = leftovers();
   if (left == nullptr || left->layout.empty() || !manifest_.entries.empty()) return;
-  last_.entries = std::move(left->layout);
-  manifest_.entries = std::move(left->spare);
-  manifest_.entries.clear();
+  last_.repeating = manifest_.groups.empty();
+  if (last_.repeating) {
+    manifest_.entries = std::move(left->layout);
+    last_.spare = std::move(left->spare);
+    last_.spare.clear();
+  } else {
+    last_.spare = std::move(left->layout);
+    manifest_.entries = std::move(left->spare);
+    manifest_.entries.clear();
+  }
   sources_ = std::move(left->sources);
   sources_.clear();
   entry_slots_ = std::move(left->slots);
+  if (!last_.repeating) std::fill(entry_slots_.begin(), entry_slots_.end(), 0);
   last_.encoded = std::move(left->encoded);
   last_.encoding_id = left->encoding_id;
-  last_.spare = 0;
-  last_.repeating = manifest_.groups.empty();
-  if (!last_.repeating) std::fill(entry_slots_.begin(), entry_slots_.end(), 0);
+  last_.next_spare = 0;
+  last_.repeated = 0;
   // Moved-from vectors are valid but unspecified.
   left->layout.clear();
   left->spare.clear();
@@ -105,14 +110,23 @@ void BucketBuilder::take_leftovers() {
   left->encoded.clear();
 }
 
-// The entries moved over so far stay, indexed anew; the rest of the last layout's entries
+// The entries added again so far stay, indexed anew; the rest of the last layout's entries
 // give their strings to the names added from here on.
-void BucketBuilder::stop_repeating() {
-  // Allocates only in a moved-from builder: the table indexed the last layout, no smaller.
-  detail::index_all(entry_slots_, manifest_.entries);
+void BucketBuilder::stop_repeating() const {
+  auto& entries = manifest_.entries;
+  auto rest = entries.begin() + static_cast<std::ptrdiff_t>(last_.repeated);
+  // Neither allocates but in a moved-from builder: `spare` kept room for the last layout, and
+  // the table indexed it, no smaller.
+  last_.spare.assign(std::make_move_iterator(rest), std::make_move_iterator(entries.end()));
+  entries.erase(rest, entries.end());
+  detail::index_all(entry_slots_, entries);
   last_.repeating = false;
-  last_.spare = manifest_.entries.size();
+  last_.next_spare = 0;
   last_.encoded.clear();
+}
+
+void BucketBuilder::settle() const {
+  if (last_.repeating && last_.repeated < manifest_.entries.size()) stop_repeating();
 }
 
 AlignedBuffer::AlignedBuffer(std::size_t size_bytes)
@@ -149,13 +163,14 @@ void BucketBuilder::restamp() noexcept {
 
 void BucketBuilder::append(std::string_view name, DType dtype, Shape&& shape) {
   if (last_.repeating) {
-    auto position = manifest_.entries.size();
-    if (position < last_.entries.size() && same_entry(last_.entries[position], name, dtype, shape)) {
+    auto position = last_.repeated;
+    if (position < manifest_.entries.size() && same_entry(manifest_.entries[position], name, dtype, shape)) {
       // Checked, laid out at this same offset and indexed at this position by the last builder.
       encoded_.clear();
-      const auto& entry = manifest_.entries.emplace_back(std::move(last_.entries[position]));
+      const auto& entry = manifest_.entries[position];
+      last_.repeated = position + 1;
       payload_bytes_ = align_up(entry.byte_offset + entry.byte_length);
-      if (position + 1 == last_.entries.size() && !last_.encoded.empty()) {
+      if (last_.repeated == manifest_.entries.size() && !last_.encoded.empty()) {
         encoded_ = std::move(last_.encoded);
         encoding_id_ = last_.encoding_id;
         restamp();
@@ -187,7 +202,7 @@ void BucketBuilder::append(std::string_view name, DType dtype, Shape&& shape) {
   }
   // The name is copied before the entries may move: `name` may point into one of them.
   std::string own_name;
-  if (last_.spare < last_.entries.size()) own_name = std::move(last_.entries[last_.spare++].name);
+  if (last_.next_spare < last_.spare.size()) own_name = std::move(last_.spare[last_.next_spare++].name);
   own_name.assign(name);
   // Made in place: a temporary entry and its move cost as much as the rest of append().
   encoded_.clear();
@@ -215,6 +230,7 @@ void BucketBuilder::make_room_for_a_source() {
 }
 
 std::optional<std::size_t> BucketBuilder::find_entry(std::string_view name) const {
+  settle();
   return detail::find_name(entry_slots_, manifest_.entries, name);
 }
 
@@ -280,6 +296,7 @@ BucketBuilder& BucketBuilder::group(std::string name, std::vector<std::string> m
 }
 
 const Manifest& BucketBuilder::manifest() const {
+  settle();
   // A kept encoding was made after this check passed, and nothing changed since.
   if (!encoded_.empty()) return manifest_;
   for (const auto& group : manifest_.groups) {
@@ -315,6 +332,7 @@ std::vector<std::span<std::byte>> BucketBuilder::entry_spans(std::span<std::byte
     fail(ErrorCode::InvalidArgument, "payload buffer has ", payload.size(), " bytes; the bucket needs ",
          payload_bytes_);
   }
+  settle();
   std::vector<std::span<std::byte>> spans;
   spans.reserve(manifest_.entries.size());
   for (const auto& entry : manifest_.entries) {

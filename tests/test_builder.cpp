@@ -537,6 +537,56 @@ TEST(Builder, ANewBuilderRepeatingTheLastLayoutHoldsExactlyItsOwn) {
   build_and_check(11, plan);
 }
 
+// While a new builder repeats the last layout, that layout's entries past the ones added so
+// far are still in place: nothing that reads the builder may see them.
+TEST(Builder, ABuilderPartWayThroughARepeatShowsOnlyItsOwnEntries) {
+  auto plan = model_plan(20);
+  build_and_check(1, plan);
+  static const std::vector<std::byte> bytes(1 << 16, std::byte{3});
+  auto first_part = [&](BucketBuilder& builder, std::size_t count) {
+    for (std::size_t i = 0; i < count; ++i) builder.add(plan[i].name, plan[i].dtype, plan[i].shape, bytes.data());
+  };
+  std::vector<Planned> head(plan.begin(), plan.begin() + 8);
+  {
+    BucketBuilder builder;
+    first_part(builder, 8);
+    // Read before manifest(): a name of the rest is not the builder's, nor are its bytes.
+    expect_error(ErrorCode::InvalidArgument, [&] { builder.set_data(plan[12].name, bytes.data()); });
+    std::vector<std::byte> payload(builder.payload_bytes());
+    EXPECT_EQ(builder.entry_spans(payload).size(), 8u);
+    EXPECT_EQ(builder.manifest(), laid_out(0, head));
+  }
+  {
+    BucketBuilder builder;
+    first_part(builder, 8);
+    EXPECT_EQ(builder.entry_sources().size(), 8u);
+    std::vector<std::byte> payload(builder.payload_bytes());
+    EXPECT_EQ(builder.entry_spans(payload).size(), 8u);
+    // Adding more after a read goes on from the entries added, not from the last layout's.
+    builder.add(plan[8].name, plan[8].dtype, plan[8].shape, bytes.data());
+    EXPECT_EQ(builder.manifest().entries.size(), 9u);
+  }
+  {
+    BucketBuilder builder;
+    first_part(builder, 8);
+    // A copy part-way holds what the original does; each goes on its own way.
+    BucketBuilder copy = builder;
+    copy.add("only.in.the.copy", DType::U8, {3}, bytes.data());
+    first_part(builder, 0);
+    auto with_one_more = head;
+    with_one_more.push_back({"only.in.the.copy", DType::U8, {3}});
+    EXPECT_EQ(copy.manifest(), laid_out(0, with_one_more));
+    EXPECT_EQ(builder.manifest(), laid_out(0, head));
+    EXPECT_EQ(decode_manifest(builder.encoded_manifest()), laid_out(0, head));
+  }
+  {
+    BucketBuilder builder;
+    first_part(builder, 8);
+  }  // destroyed part-way, never read: it leaves its own 8 entries, indexed
+  build_and_check(2, head, {plan[12].name});
+  build_and_check(3, plan);
+}
+
 // A name may point into the builder's own entries (a prefix of one, say): it is read before
 // the entries move. On a thread of its own, whose first builder's entries start with no room.
 TEST(Builder, ANameTakenFromTheBuildersOwnEntriesIsCopiedBeforeTheyMove) {

@@ -9,10 +9,11 @@
 // view exists. Views are zero-copy: they point into the payload, which must outlive them.
 //
 // Thread safety: a BucketBuilder is not synchronized (one thread at a time, const members
-// included: encoded_manifest() keeps what it encodes). A builder destroyed on a thread leaves
-// its storage and layout to the next one made there, which uses the layout (and its encoding,
-// with its encoding_id()) only while its entries repeat it; nothing else of it shows. A BucketView is
-// immutable after open(); its const members are safe to call from many threads.
+// included: manifest() and encoded_manifest() keep what they work out). A builder destroyed on
+// a thread leaves its storage and layout to the next one made there, which uses the layout (and
+// its encoding, with its encoding_id()) only while its entries repeat it; nothing else of it
+// shows. A BucketView is immutable after open(); its const members are safe to call from many
+// threads.
 #pragma once
 
 #include <cstddef>
@@ -36,12 +37,15 @@ struct VerifiedManifest;
 
 // What a builder took over from the last builder destroyed on its thread (serialize/builder.cpp).
 struct LastLayout {
-  std::vector<ManifestEntry> entries;  // that builder's; the names past `spare` are free strings
-  std::vector<std::byte> encoded;      // their encoding, or empty
-  std::uint64_t encoding_id = 0;       // of `encoded`
-  std::size_t spare = 0;
+  std::vector<ManifestEntry> spare;  // that builder's entries no longer repeated: free strings for names
+  std::size_t next_spare = 0;        // the first of `spare` whose name is still free
+  std::vector<std::byte> encoded;    // the encoding of that builder's layout, or empty
+  std::uint64_t encoding_id = 0;     // of `encoded`
+  std::size_t repeated = 0;          // while repeating, the entries added so far
   bool taken = false;      // looked for, at the first add()
-  bool repeating = false;  // every entry so far was the next of `entries`, moved over
+  // The builder's entries are still that builder's, in place; the first `repeated` are this
+  // one's, added again. Readers see only those: settle() drops the rest into `spare`.
+  bool repeating = false;
 };
 }  // namespace detail
 
@@ -154,17 +158,19 @@ class BucketBuilder {
  private:
   void append(std::string_view name, DType dtype, Shape&& shape);
   void take_leftovers();  // of the last builder destroyed on this thread
-  void stop_repeating();
+  void stop_repeating() const;
+  void settle() const;  // before the entries are read: see detail::LastLayout
   void restamp() noexcept;  // the identity fields into encoded_, when kept
   std::optional<std::size_t> find_entry(std::string_view name) const;  // its position in manifest_.entries
   void make_room_for_a_source();
 
-  Manifest manifest_;
+  // Mutable for settle(), which const readers call: while a new builder repeats the last one's
+  // layout, its entries stay in place (compared, not checked, copied or indexed again, and the
+  // encoding is reused) until something reads them or add() departs from them.
+  mutable Manifest manifest_;
   std::vector<const std::byte*> sources_;  // per entry; null for declare()d entries
-  std::vector<std::uint64_t> entry_slots_;  // entry names -> positions in manifest_.entries (flat)
-  // A builder made every step usually repeats the last one's layout: while add() does, entries
-  // are moved over rather than checked, copied and indexed again, and the encoding is reused.
-  detail::LastLayout last_;
+  mutable std::vector<std::uint64_t> entry_slots_;  // entry names -> positions in manifest_.entries (flat)
+  mutable detail::LastLayout last_;
   std::unordered_map<std::string, std::string> group_of_member_;
   std::uint64_t payload_bytes_ = 0;
   mutable std::vector<std::byte> encoded_;  // empty until encoded_manifest(), and after changes
