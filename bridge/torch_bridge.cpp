@@ -5,7 +5,7 @@
 #include <cstring>
 #include <sstream>
 
-#include "serialize/text.hpp"
+#include "base/text.hpp"
 
 namespace tensorbucket::torch_bridge {
 

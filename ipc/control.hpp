@@ -38,6 +38,8 @@
 //   attaches to them); consumers drain what was published and then report ProducerGone.
 #pragma once
 
+#include "base/private.hpp"
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>

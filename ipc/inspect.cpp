@@ -7,7 +7,7 @@
 #include "ipc/os/liveness.hpp"
 #include "ipc/os/process.hpp"
 #include "ipc/os/segment.hpp"
-#include "serialize/text.hpp"
+#include "base/text.hpp"
 #include "slot_storage.hpp"
 #include "tensorbucket/channel.hpp"
 

@@ -5,7 +5,7 @@
 
 #include "control.hpp"
 #include "ipc/os/liveness.hpp"
-#include "serialize/text.hpp"
+#include "base/text.hpp"
 #include "tensorbucket/channel.hpp"
 
 namespace tensorbucket::ipc {

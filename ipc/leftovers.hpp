@@ -1,6 +1,8 @@
 // Internal: a dead producer's leftovers, its segments still named in /dev/shm.
 #pragma once
 
+#include "base/private.hpp"
+
 #include <string>
 #include <string_view>
 

@@ -1,6 +1,6 @@
 #include <ctime>
 
-#include "serialize/text.hpp"
+#include "base/text.hpp"
 #include "control.hpp"
 #include "tensorbucket/error.hpp"
 

@@ -19,7 +19,7 @@
 #include "serialize/copy.hpp"
 #include "slot_storage.hpp"
 #include "serialize/identity.hpp"
-#include "serialize/text.hpp"
+#include "base/text.hpp"
 #include "tensorbucket/channel.hpp"
 
 namespace tensorbucket {

@@ -7,7 +7,7 @@
 #include <mutex>
 
 #include "ipc/os/process.hpp"
-#include "serialize/text.hpp"
+#include "base/text.hpp"
 #include "tensorbucket/error.hpp"
 
 namespace tensorbucket::ipc {

@@ -13,6 +13,8 @@
 // truncated its segment.
 #pragma once
 
+#include "base/private.hpp"
+
 #include <sys/types.h>
 
 #include <cstdint>

@@ -3,6 +3,8 @@
 // library (tests/meson.build defines TENSORBUCKET_TEST_HOOKS); elsewhere they are nothing.
 #pragma once
 
+#include "base/private.hpp"
+
 #ifdef TENSORBUCKET_TEST_HOOKS
 #include <functional>
 

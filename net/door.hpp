@@ -9,6 +9,8 @@
 // no I/O: both ends feed it bytes, so the fuzz target drives it as serve does.
 #pragma once
 
+#include "base/private.hpp"
+
 #include <array>
 #include <bit>
 #include <cstddef>

@@ -2,6 +2,8 @@
 // the front door's TCP connections (door.hpp), every wait under a deadline.
 #pragma once
 
+#include "base/private.hpp"
+
 #include <sys/socket.h>
 
 #include <chrono>

@@ -2,6 +2,8 @@
 // with one worker, driven by one thread; tagged messages only; every wait has a limit.
 #pragma once
 
+#include "base/private.hpp"
+
 #include <ucp/api/ucp.h>
 
 #include <chrono>

@@ -4,6 +4,8 @@
 // carry the random key the server gave that connection at the front door.
 #pragma once
 
+#include "base/private.hpp"
+
 #include <array>
 #include <bit>
 #include <chrono>

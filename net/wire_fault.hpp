@@ -7,6 +7,8 @@
 // "nohash:SEQUENCE" never sends the hash of that bucket's payload in chunks (heartbeats go on).
 #pragma once
 
+#include "base/private.hpp"
+
 #include <cstdint>
 #include <span>
 #include <string_view>

@@ -21,7 +21,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "serialize/text.hpp"
+#include "base/text.hpp"
 #include "tensorbucket/header.hpp"
 #include "tensorbucket/safetensors.hpp"
 

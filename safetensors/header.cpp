@@ -10,7 +10,7 @@
 #include <string>
 #include <unordered_set>
 
-#include "serialize/text.hpp"
+#include "base/text.hpp"
 #include "tensorbucket/safetensors.hpp"
 
 namespace tensorbucket::safetensors {

@@ -7,6 +7,8 @@
 // for the host (serialize/block_hash.cpp) and by nvcc for the kernel (ipc/cuda/block_hash.cu).
 #pragma once
 
+#include "base/private.hpp"
+
 #include <cstdint>
 #ifndef __CUDACC__
 #include <cstddef>

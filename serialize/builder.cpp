@@ -9,7 +9,7 @@
 #include "copy.hpp"
 #include "identity.hpp"
 #include "name_index.hpp"
-#include "text.hpp"
+#include "base/text.hpp"
 #include "verify.hpp"
 
 namespace tensorbucket {

@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "text.hpp"
+#include "base/text.hpp"
 
 namespace tensorbucket::detail {
 

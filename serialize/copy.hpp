@@ -12,6 +12,8 @@
 // faster (large_copies()).
 #pragma once
 
+#include "base/private.hpp"
+
 #include <chrono>
 #include <cstddef>
 #include <cstdint>

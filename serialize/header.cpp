@@ -10,7 +10,7 @@
 #include <cstring>
 
 #include "tensorbucket/error.hpp"
-#include "text.hpp"
+#include "base/text.hpp"
 
 namespace tensorbucket {
 

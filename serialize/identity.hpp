@@ -5,6 +5,8 @@
 // whatever bucket it belongs to.
 #pragma once
 
+#include "base/private.hpp"
+
 #include <cstddef>
 #include <cstdint>
 #include <span>

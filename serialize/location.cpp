@@ -1,7 +1,7 @@
 #include <charconv>
 
 #include "tensorbucket/bucket.hpp"
-#include "text.hpp"
+#include "base/text.hpp"
 
 namespace tensorbucket {
 

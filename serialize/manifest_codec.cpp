@@ -26,7 +26,7 @@
 #include "identity.hpp"
 #include "tensorbucket/error.hpp"
 #include "tensorbucket/manifest.hpp"
-#include "text.hpp"
+#include "base/text.hpp"
 
 namespace tensorbucket {
 namespace {

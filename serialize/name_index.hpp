@@ -4,6 +4,8 @@
 // name) per entry, which dominated verification of large manifests and a new builder's add().
 #pragma once
 
+#include "base/private.hpp"
+
 #include <cstddef>
 #include <cstdint>
 #include <optional>

@@ -4,6 +4,8 @@
 // here and kept by each BucketView.
 #pragma once
 
+#include "base/private.hpp"
+
 #include <cstddef>
 #include <cstdint>
 #include <vector>

@@ -9,7 +9,7 @@
 
 #include "identity.hpp"
 #include "tensorbucket/error.hpp"
-#include "text.hpp"
+#include "base/text.hpp"
 
 namespace tensorbucket {
 

@@ -1,6 +1,8 @@
 // Internal: verification that also hands back the name index it builds on the way.
 #pragma once
 
+#include "base/private.hpp"
+
 #include <cstddef>
 #include <cstdint>
 #include <span>

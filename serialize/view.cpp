@@ -6,7 +6,7 @@
 #include "block_hash.hpp"
 #include "identity.hpp"
 #include "tensorbucket/bucket.hpp"
-#include "text.hpp"
+#include "base/text.hpp"
 #include "verified_manifest.hpp"
 #include "verify.hpp"
 

@@ -16,7 +16,7 @@
 
 #include "ipc/cuda/cuda_driver.hpp"
 #include "serialize/block_hash.hpp"
-#include "serialize/text.hpp"
+#include "base/text.hpp"
 
 namespace tensorbucket::ipc::cuda {
 

@@ -2,6 +2,8 @@
 // over it. Declared here, not taken from cuda.h: see cuda_driver.cpp.
 #pragma once
 
+#include "base/private.hpp"
+
 #include <cstddef>
 #include <cstdint>
 #include <cstring>

@@ -10,7 +10,7 @@
 #include "tensorbucket/channel.hpp"
 #include "ipc/os/process.hpp"
 #include "serialize/block_hash.hpp"
-#include "serialize/text.hpp"
+#include "base/text.hpp"
 
 namespace tensorbucket::ipc {
 

@@ -7,6 +7,8 @@
 // Addresses are unified: a copy's ends may each be host or device memory.
 #pragma once
 
+#include "base/private.hpp"
+
 #include <array>
 #include <cstddef>
 #include <cstdint>

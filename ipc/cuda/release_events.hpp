@@ -5,6 +5,8 @@
 // on a device channel and say nothing else about events.
 #pragma once
 
+#include "base/private.hpp"
+
 #include <cstdint>
 #include <vector>
 

@@ -8,6 +8,8 @@
 // Descriptors are opened close-on-exec, so exec'd programs do not inherit them either.
 #pragma once
 
+#include "base/private.hpp"
+
 namespace tensorbucket::ipc {
 
 // While one lives, no fork() of this process goes ahead (it waits in pthread_atfork's prepare

@@ -10,6 +10,8 @@
 // every guarded range go on to the handler that was installed before ours.
 #pragma once
 
+#include "base/private.hpp"
+
 #include <cstddef>
 
 namespace tensorbucket::ipc {

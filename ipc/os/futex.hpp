@@ -3,6 +3,8 @@
 // so the kernel returns at once instead of losing the wake-up.
 #pragma once
 
+#include "base/private.hpp"
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>

@@ -5,7 +5,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "serialize/text.hpp"
+#include "base/text.hpp"
 #include "tensorbucket/error.hpp"
 
 namespace tensorbucket::ipc {

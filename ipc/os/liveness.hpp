@@ -10,6 +10,8 @@
 // A forked child does not keep them (descriptor.hpp).
 #pragma once
 
+#include "base/private.hpp"
+
 #include <sys/types.h>
 
 #include <cstdint>

@@ -1,6 +1,8 @@
 // Internal: which process a channel handle belongs to.
 #pragma once
 
+#include "base/private.hpp"
+
 #include <cstdint>
 
 namespace tensorbucket::ipc {

@@ -14,7 +14,7 @@
 #include <boost/interprocess/shared_memory_object.hpp>
 
 #include "ipc/os/liveness.hpp"
-#include "serialize/text.hpp"
+#include "base/text.hpp"
 #include "tensorbucket/error.hpp"
 #include "ipc/test_hooks.hpp"
 

@@ -1,6 +1,8 @@
 // Internal: one mapped POSIX shared-memory object, through Boost.Interprocess.
 #pragma once
 
+#include "base/private.hpp"
+
 #include <sys/types.h>
 
 #include <boost/interprocess/mapped_region.hpp>

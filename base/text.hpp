@@ -1,5 +1,8 @@
-// Internal: building error messages that name entries and values.
+// Internal: building error messages that name entries and values; every module's messages
+// are made with these.
 #pragma once
+
+#include "base/private.hpp"
 
 #include <cstdint>
 #include <initializer_list>
@@ -30,11 +33,17 @@ std::ostream& operator<<(std::ostream& out, Dims dims);
 
 std::ostream& operator<<(std::ostream& out, DType dtype);
 
+// The message `parts` make, streamed in turn: for an Error made here and thrown elsewhere.
+template <class... Parts>
+std::string message(const Parts&... parts) {
+  std::ostringstream out;
+  (out << ... << parts);
+  return out.str();
+}
+
 template <class... Parts>
 [[noreturn]] void fail(ErrorCode code, const Parts&... parts) {
-  std::ostringstream message;
-  (message << ... << parts);
-  throw Error(code, message.str());
+  throw Error(code, message(parts...));
 }
 
 // Problems of one kind ("missing" names), for an error that may list hundreds: its message
