@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "base/text.hpp"
 #include "tensorbucket/error.hpp"
 
 namespace tensorbucket::net::detail {
@@ -44,17 +45,17 @@ void DoorReader::got(std::size_t count) {
   have_ += std::min(count, room().size());
   if (have_header_ || have_ < sizeof(DoorHeader)) return;
   std::memcpy(&header_, header_bytes_.data(), sizeof header_);
-  auto fail = [&](const std::string& what) { throw Error(ErrorCode::NetworkError, what); };
+  auto fail = [](const auto&... parts) { text::fail(ErrorCode::NetworkError, parts...); };
   bool refusal = or_refusal_ && header_.kind == DoorKind::Refused;
   if (header_.kind != kind_ && !refusal) {
-    fail("a message of kind " + std::to_string(static_cast<int>(header_.kind)) + " where a " + name_ + " was due");
+    fail("a message of kind ", static_cast<int>(header_.kind), " where a ", name_, " was due");
   }
   auto least = refusal ? std::size_t{1} : least_, most = refusal ? kMaxRefusalBytes : most_;
-  std::string what = refusal ? "refusal" : name_;
-  if (header_.reserved != decltype(header_.reserved){}) fail("a " + what + " with its reserved bytes set");
+  std::string_view what = refusal ? std::string_view("refusal") : std::string_view(name_);
+  if (header_.reserved != decltype(header_.reserved){}) fail("a ", what, " with its reserved bytes set");
   if (header_.length < least || header_.length > most) {
-    auto due = least == most ? std::to_string(least) : std::to_string(least) + " to " + std::to_string(most);
-    fail("a " + what + " of " + std::to_string(header_.length) + " bytes (" + due + " are due)");
+    if (least == most) fail("a ", what, " of ", header_.length, " bytes (", least, " are due)");
+    fail("a ", what, " of ", header_.length, " bytes (", least, " to ", most, " are due)");
   }
   body_.resize(header_.length);  // bounded just above
   have_header_ = true;
@@ -89,7 +90,7 @@ void ServerDoor::got(std::size_t count) {
   try {
     reader_.got(count);
   } catch (const Error& e) {
-    return refuse(Refusal::Other, std::string("sent ") + e.what());
+    return refuse(Refusal::Other, text::message("sent ", e.what()));
   }
   if (!reader_.done()) return;
   if (state_ == State::Addressing) {
@@ -100,8 +101,7 @@ void ServerDoor::got(std::size_t count) {
   std::memcpy(&proof, reader_.body().data(), sizeof proof);
   if (proof.magic != kMagic) return refuse(Refusal::Other, "not a tensorbucket relay");
   if (proof.version != kProtocolVersion) {
-    return refuse(Refusal::Other, "protocol version " + std::to_string(proof.version) + ", not " +
-                                      std::to_string(kProtocolVersion));
+    return refuse(Refusal::Other, text::message("protocol version ", proof.version, ", not ", kProtocolVersion));
   }
   if (!same_digest(proof.proof, client_proof(token_, nonce_, key_))) {
     wrong_token_ = true;

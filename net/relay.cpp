@@ -4,6 +4,7 @@
 #include <set>
 #include <thread>
 
+#include "base/text.hpp"
 #include "tensorbucket/channel.hpp"
 #include "tensorbucket/error.hpp"
 #include "tensorbucket/header.hpp"
@@ -15,6 +16,8 @@ namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
+using text::message;
+using text::Quoted;
 
 // The longest a wait runs before it asks `interrupted` again.
 constexpr auto kSlice = 50ms;
@@ -127,7 +130,7 @@ struct RelayState {
     // the set never grows with an outage that lasts for days.
     if (told.size() >= 64) told.clear();
     bool news = told.insert(why).second || always_news;
-    log(why + "; reconnecting", news);
+    log(message(why, "; reconnecting"), news);
     remote.reset();
     republisher.abandon();
     next_try = Clock::now() + backoff;
@@ -157,8 +160,8 @@ struct RelayState {
       fail(e);
       return false;
     }
-    log("connected to " + options.connect + ", channel '" + options.remote.channel + "' → local '" +
-            republisher.publisher().channel() + "'",
+    log(message("connected to ", options.connect, ", channel ", Quoted{options.remote.channel}, " → local ",
+                Quoted{republisher.publisher().channel()}),
         false);
     connected_once = true;
     backoff = 100ms;
@@ -180,7 +183,7 @@ struct RelayState {
     }
     if (!connected_once && e.code() != ErrorCode::NetworkError) throw;
     // A refusal is news every time: it may go on.
-    lost(std::string(to_string(e.code())) + ": " + e.what(), unauthorized);
+    lost(message(to_string(e.code()), ": ", e.what()), unauthorized);
     if (unauthorized) {
       backoff = std::chrono::milliseconds(2000);
       next_try = Clock::now() + backoff;
@@ -205,7 +208,7 @@ struct RelayState {
     } catch (const Error& e) {
       // The server sent a bucket out of its update's order: nothing was published.
       if (e.code() != ErrorCode::InvalidArgument) throw;
-      lost(std::string("the server sent a bucket out of order (") + e.what() + ")");
+      lost(message("the server sent a bucket out of order (", e.what(), ")"));
       return false;
     }
     if (!published && interrupted()) {
@@ -215,8 +218,8 @@ struct RelayState {
       return false;
     }
     if (!published) {
-      lost("Timeout: no local slot came free within " + std::to_string(options.timeout.count()) + " ms; waiting for " +
-           republisher.publisher().waiting_for());
+      lost(message("Timeout: no local slot came free within ", options.timeout.count(), " ms; waiting for ",
+                   republisher.publisher().waiting_for()));
       return false;
     }
     last = id;

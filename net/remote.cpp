@@ -7,6 +7,7 @@
 #include <new>
 #include <vector>
 
+#include "base/text.hpp"
 #include "tensorbucket/error.hpp"
 #include "tensorbucket/net.hpp"
 #include "door.hpp"
@@ -18,6 +19,7 @@ namespace tensorbucket::net {
 namespace detail {
 
 using namespace std::chrono_literals;
+using text::Quoted;
 
 // An acknowledgement under way: a list entry, so its bytes never move.
 struct PendingAck {
@@ -55,24 +57,28 @@ struct RemoteState {
     broken = true;
     detail::close(worker, endpoint, kCloseLimit);
   }
-  [[noreturn]] void drop(ErrorCode code, const std::string& message) {
+  template <class... Parts>
+  [[noreturn]] void drop(ErrorCode code, const Parts&... message) {
     drop();
-    throw Error(code, message);
+    text::fail(code, message...);
   }
-  [[noreturn]] void lost(const std::string& why) { drop(ErrorCode::NetworkError, "link to " + address + ": " + why); }
+  template <class... Parts>
+  [[noreturn]] void lost(const Parts&... why) {
+    drop(ErrorCode::NetworkError, "link to ", address, ": ", why...);
+  }
 
   // Throws NetworkError when the link failed.
   void check_link() {
-    if (endpoint.failed != UCS_OK) lost(std::string("failed: ") + ucs_status_string(endpoint.failed));
+    if (endpoint.failed != UCS_OK) lost("failed: ", ucs_status_string(endpoint.failed));
   }
 
   // A refusal at the front door: Unauthorized for a wrong token (trying again will not help),
   // else NetworkError (the server was full, or this side too slow).
   [[noreturn]] void refused(std::span<const std::byte> message) {
-    std::string why = message.size() > 1 ? std::string(reinterpret_cast<const char*>(message.data()) + 1, message.size() - 1)
-                                         : "no reason given";
+    auto why = message.size() > 1 ? std::string_view(reinterpret_cast<const char*>(message.data()) + 1, message.size() - 1)
+                                  : std::string_view("no reason given");
     bool wrong_token = !message.empty() && message[0] == static_cast<std::byte>(Refusal::WrongToken);
-    drop(wrong_token ? ErrorCode::Unauthorized : ErrorCode::NetworkError, "refused by " + address + ": " + why);
+    drop(wrong_token ? ErrorCode::Unauthorized : ErrorCode::NetworkError, "refused by ", address, ": ", why);
   }
 
   // The next message of `kind` taken whole into `into` (resized to it), waiting until `until`;
@@ -93,7 +99,7 @@ struct RemoteState {
       if (auto* found = probe(worker.get(), tag(kind), kKindMask, &length)) {
         if (length > limit) {
           discard(found);
-          lost("a message of " + std::to_string(length) + " bytes where " + std::to_string(limit) + " is the most");
+          lost("a message of ", length, " bytes where ", limit, " is the most");
         }
         auto receiving = receive(worker.get(), found, room(length));
         wait_for(receiving, Clock::now() + options.idle_timeout);
@@ -143,7 +149,7 @@ struct RemoteState {
       throw;
     } catch (const Error& e) {
       if (news && e.code() == ErrorCode::NetworkError) {
-        throw Error(ErrorCode::NetworkError, "link to " + address + ": " + e.what());
+        text::fail(ErrorCode::NetworkError, "link to ", address, ": ", e.what());
       }
       throw;
     }
@@ -159,14 +165,14 @@ struct RemoteState {
     if (auto oldest = oldest_tag(worker.get())) {
       auto kind = static_cast<Kind>(*oldest >> 56);
       if (kind != Kind::Bucket && kind != Kind::Payload && kind != Kind::PayloadHash && kind != Kind::Heartbeat) {
-        lost("a message of kind " + std::to_string(static_cast<int>(kind)) + ", which a server does not send now");
+        lost("a message of kind ", static_cast<int>(kind), ", which a server does not send now");
       }
     }
   }
 
   void silent_too_long() {
     if (Clock::now() - last_heard > options.idle_timeout) {
-      lost("no word for " + std::to_string(options.idle_timeout.count()) + " ms");
+      lost("no word for ", options.idle_timeout.count(), " ms");
     }
   }
 
@@ -201,8 +207,7 @@ struct RemoteState {
     std::memcpy(&challenge, bytes.data(), sizeof challenge);
     if (challenge.magic != kMagic) lost("not a tensorbucket server");
     if (challenge.version != kProtocolVersion) {
-      lost("a tensorbucket server of protocol version " + std::to_string(challenge.version) + ", not " +
-           std::to_string(kProtocolVersion));
+      lost("a tensorbucket server of protocol version ", challenge.version, ", not ", kProtocolVersion);
     }
     key = challenge.key;
     ProofMessage proof{kMagic, kProtocolVersion, 0, client_proof(token, challenge.nonce, key), {}};
@@ -216,12 +221,11 @@ struct RemoteState {
     Welcome welcome{};
     std::memcpy(&welcome, bytes.data(), sizeof welcome);
     if (!same_digest(welcome.proof, server_proof(token, proof.nonce, key))) {
-      drop(ErrorCode::Unauthorized, address + " did not prove it holds the token");
+      drop(ErrorCode::Unauthorized, address, " did not prove it holds the token");
     }
     std::string_view served(welcome.channel.data(), std::min<std::size_t>(welcome.channel_bytes, welcome.channel.size()));
     if (!options.channel.empty() && served != options.channel) {
-      drop(ErrorCode::ChannelMissing,
-           address + " serves channel '" + std::string(served) + "', not '" + options.channel + "'");
+      drop(ErrorCode::ChannelMissing, address, " serves channel ", Quoted{served}, ", not ", Quoted{options.channel});
     }
     channel = served;
     bytes = door_message_in(link, reader, DoorKind::Address, "worker address", 1, kMaxWorkerAddress, until);
@@ -256,7 +260,7 @@ struct RemoteState {
   // most, and hashed as soon as it is in, while the next ones travel. Each chunk has
   // idle_timeout (and its size at 10 MB/s) to come.
   std::uint64_t receive_payload(std::span<std::byte> payload, std::uint64_t chunk_bytes) {
-    if (chunk_bytes < kMinChunkBytes || chunk_bytes > kMaxChunkBytes) lost("chunks of " + std::to_string(chunk_bytes) + " bytes");
+    if (chunk_bytes < kMinChunkBytes || chunk_bytes > kMaxChunkBytes) lost("chunks of ", chunk_bytes, " bytes");
     auto allowance = std::chrono::milliseconds(static_cast<std::int64_t>(chunk_bytes / kSlowestBytesPerMs));
     auto chunk_at = [&](std::uint64_t at) { return payload.subspan(at, std::min(chunk_bytes, payload.size() - at)); };
     ChunkedHash hash(chunk_count(payload.size(), chunk_bytes));
@@ -273,7 +277,7 @@ struct RemoteState {
           auto chunk = chunk_at(asked);
           if (length != chunk.size()) {
             discard(found);
-            lost("a chunk of " + std::to_string(length) + " bytes where " + std::to_string(chunk.size()) + " were due");
+            lost("a chunk of ", length, " bytes where ", chunk.size(), " were due");
           }
           arriving.push_back(receive(worker.get(), found, chunk));
           asked += chunk.size();
@@ -288,7 +292,7 @@ struct RemoteState {
           continue;
         }
         check_link();
-        if (Clock::now() > due) lost("no payload chunk within " + std::to_string(options.idle_timeout.count()) + " ms");
+        if (Clock::now() > due) lost("no payload chunk within ", options.idle_timeout.count(), " ms");
         pace.step();
       }
     } catch (...) {
@@ -308,7 +312,7 @@ struct RemoteState {
       try {
         inbox = std::make_shared<AlignedBuffer>(std::max<std::size_t>(length, 1));
       } catch (const std::bad_alloc&) {
-        lost("no memory for a message of " + std::to_string(length) + " bytes");
+        lost("no memory for a message of ", length, " bytes");
       }
     }
     return inbox->span().first(length);
@@ -326,7 +330,7 @@ struct RemoteState {
       try {
         acks.remove_if([](PendingAck& pending) { return pending.request.done(); });
       } catch (const Error& e) {
-        lost(std::string("an acknowledgement: ") + e.what());
+        lost("an acknowledgement: ", e.what());
       }
       skip_heartbeats();
       if (take(Kind::Bucket, max_message, std::min(until, Clock::now() + 50ms),
@@ -359,11 +363,10 @@ struct RemoteState {
       lost("a bucket message whose padding before its payload is not zero");
     }
     if (announce.payload_bytes > options.max_bucket_bytes) {
-      lost("a payload of " + std::to_string(announce.payload_bytes) + " bytes, past max_bucket_bytes " +
-           std::to_string(options.max_bucket_bytes));
+      lost("a payload of ", announce.payload_bytes, " bytes, past max_bucket_bytes ", options.max_bucket_bytes);
     }
     if (last && last->first == announce.incarnation && announce.sequence <= last->second) {
-      lost("bucket " + std::to_string(announce.sequence) + " came after bucket " + std::to_string(last->second));
+      lost("bucket ", announce.sequence, " came after bucket ", last->second);
     }
     return announce;
   }
@@ -409,7 +412,7 @@ struct RemoteState {
         try {
           buffer = std::make_shared<AlignedBuffer>(announce.payload_bytes);
         } catch (const std::bad_alloc&) {
-          lost("no memory for a payload of " + std::to_string(announce.payload_bytes) + " bytes");
+          lost("no memory for a payload of ", announce.payload_bytes, " bytes");
         }
       }
       payload.bytes = buffer->span().first(announce.payload_bytes);
@@ -432,7 +435,7 @@ struct RemoteState {
       skip_heartbeats();
       silent_too_long();
       if (Clock::now() > hash_due) {
-        lost("no payload hash within " + std::to_string((options.idle_timeout + allowance).count()) + " ms of the payload");
+        lost("no payload hash within ", (options.idle_timeout + allowance).count(), " ms of the payload");
       }
     }
     std::uint64_t sent_hash = 0;
@@ -454,15 +457,15 @@ struct RemoteState {
   }
 
   std::optional<RemoteBucket> next(Clock::time_point until, const VerifyOptions& verify, const PayloadPlace& place) {
-    if (broken) throw Error(ErrorCode::NetworkError, "link to " + address + " is closed: connect again");
+    if (broken) text::fail(ErrorCode::NetworkError, "link to ", address, " is closed: connect again");
     auto received = take_announce(until);
     if (received.empty()) return std::nullopt;
     auto announce = read_announce(received);
     auto frame = std::span<const std::byte>(received).subspan(sizeof announce, announce.frame_bytes);
     auto payload = take_payload(announce, received, placed(place, announce.payload_bytes, frame));
     if (payload.hash != payload.sent_hash) {
-      drop(ErrorCode::ChecksumMismatch, "bucket " + std::to_string(announce.sequence) + " from " + address +
-                                            ": payload hash does not match the one sent with it");
+      drop(ErrorCode::ChecksumMismatch, "bucket ", announce.sequence, " from ", address,
+           ": payload hash does not match the one sent with it");
     }
     std::optional<BucketView> view;
     try {

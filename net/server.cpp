@@ -18,6 +18,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "base/text.hpp"
 #include "tensorbucket/channel.hpp"
 #include "tensorbucket/error.hpp"
 #include "tensorbucket/net.hpp"
@@ -32,6 +33,7 @@ namespace detail {
 namespace {
 
 using namespace std::chrono_literals;
+using text::message;
 
 constexpr auto kProofTimeout = 3s;       // at the front door: to prove the token and send its address
 constexpr std::size_t kMaxPending = 8;   // connections at the front door
@@ -59,7 +61,7 @@ class QuietLog {
     }
     logged_ = now;
     auto more = std::exchange(passed_over_, 0);
-    return more == 0 ? text : text + " (and " + std::to_string(more) + " more since the last such line)";
+    return more == 0 ? text : message(text, " (and ", more, " more since the last such line)");
   }
 
  private:
@@ -260,13 +262,12 @@ struct ServerState {
         }
         // Out of memory, or of descriptors with no spare: the connection waits in the
         // listening queue, and the next look tries again.
-        if (auto line = turned_away.line(std::string("cannot take a connection: ") + std::strerror(error))) log(*line);
+        if (auto line = turned_away.line(message("cannot take a connection: ", std::strerror(error)))) log(*line);
         return;
       }
       auto from = to_string(from_address);
-      std::string full = doors.size() >= kMaxPending
-                             ? std::to_string(kMaxPending) + " connections proving the token already"
-                         : peers.size() >= options.max_peers ? "max_peers (" + std::to_string(options.max_peers) + ") reached"
+      std::string full = doors.size() >= kMaxPending          ? message(kMaxPending, " connections proving the token already")
+                         : peers.size() >= options.max_peers ? message("max_peers (", options.max_peers, ") reached")
                                                              : "";
       if (!full.empty()) {
         turn_away(link, from, full);
@@ -283,7 +284,7 @@ struct ServerState {
   void turn_away(const Socket& link, const std::string& from, const std::string& why) {
     auto refusal = refusal_message(Refusal::Other, why);
     static_cast<void>(::send(link.get(), refusal.data(), refusal.size(), MSG_NOSIGNAL | MSG_DONTWAIT));
-    if (auto line = turned_away.line("turned " + from + " away: " + why)) log(*line);
+    if (auto line = turned_away.line(message("turned ", from, " away: ", why))) log(*line);
   }
 
   // Out of descriptors: the spare one is let go of to take the next connection and close it at
@@ -333,7 +334,7 @@ struct ServerState {
     if (door.state() == ServerDoor::State::Proved) {
       // Counted here, not at the connection: several may prove the token at once.
       if (peers_and_coming() >= options.max_peers) {
-        door.refuse(Refusal::Other, "max_peers (" + std::to_string(options.max_peers) + ") reached");
+        door.refuse(Refusal::Other, message("max_peers (", options.max_peers, ") reached"));
       } else {
         door.welcome(subscriber.channel(), worker_address);
       }
@@ -342,7 +343,7 @@ struct ServerState {
       let_in(entry);
       if (door.state() != ServerDoor::State::Closing) return false;
     } else if (door.state() != ServerDoor::State::Closing && now >= entry.due) {
-      door.refuse(Refusal::Other, "no proof of the token within " + std::to_string(kProofTimeout.count()) + " s");
+      door.refuse(Refusal::Other, message("no proof of the token within ", kProofTimeout.count(), " s"));
     }
     while (!door.output().empty()) {
       auto out = door.output();
@@ -358,7 +359,7 @@ struct ServerState {
     if (!entry.refused) {
       entry.refused = true;
       entry.due = std::min(entry.due, now + kRefusalGrace);
-      if (auto line = refused.line("refused " + entry.from + ": " + door.why())) log(*line);
+      if (auto line = refused.line(message("refused ", entry.from, ": ", door.why()))) log(*line);
     }
     if (!entry.shut && door.output().empty()) {
       // Told: a relay reads the refusal, then the end of the connection. What it still sends
@@ -385,13 +386,13 @@ struct ServerState {
       connect(worker.get(), peer.endpoint, entry.door.peer_address());
     } catch (const Error& e) {
       peers.pop_back();  // no endpoint: nothing under way
-      entry.door.refuse(Refusal::Other, std::string("its UCX worker cannot be reached: ") + e.what());
+      entry.door.refuse(Refusal::Other, message("its UCX worker cannot be reached: ", e.what()));
       return;
     }
     std::uint64_t beat = 0;
     send_small(peer, Kind::Heartbeat, &beat, sizeof beat);
     peer.last_sent = Clock::now();
-    log("serving " + peer.from + " from the next update");
+    log(message("serving ", peer.from, " from the next update"));
   }
 
   // Every message peers sent: acknowledgements, each the exact size, from the peer whose key it
@@ -427,14 +428,14 @@ struct ServerState {
       if (wanted && !whole) lingering.push_back({std::move(into), std::move(receiving)});  // UCX may still write there
       if (peer == nullptr) continue;
       if (!wanted || !whole) {
-        peer->problem = "sent a message it should not have (tag kind " + std::to_string(static_cast<int>(kind)) +
-                        ", " + std::to_string(length) + " bytes)";
+        peer->problem = text::message("sent a message it should not have (tag kind ", static_cast<int>(kind), ", ", length,
+                                      " bytes)");
         continue;
       }
       Ack ack{};
       std::memcpy(&ack, into.get(), sizeof ack);
       if (ack.ordinal > peer->sent || ack.ordinal < peer->acked) {
-        peer->problem = "acknowledged bucket " + std::to_string(ack.ordinal) + " of " + std::to_string(peer->sent);
+        peer->problem = text::message("acknowledged bucket ", ack.ordinal, " of ", peer->sent);
       } else {
         peer->acked = ack.ordinal;
       }
@@ -446,14 +447,14 @@ struct ServerState {
       auto& peer = *it;
       // A transfer under way fails with the link, and says less than the link's end does.
       if (peer.endpoint.failed != UCS_OK && (peer.problem.empty() || peer.transfer_failed)) {
-        peer.problem = std::string("the link ended (") + ucs_status_string(peer.endpoint.failed) +
-                       "): the relay left, or its host or the network failed";
+        peer.problem = message("the link ended (", ucs_status_string(peer.endpoint.failed),
+                               "): the relay left, or its host or the network failed");
       }
       if (peer.live()) {
         ++it;
         continue;
       }
-      log("dropped " + peer.from + ": " + peer.problem);
+      log(message("dropped ", peer.from, ": ", peer.problem));
       // By force: whatever is still under way on it ends here, before its buffers go.
       detail::close(worker, peer.endpoint, kCloseLimit);
       it = peers.erase(it);
@@ -591,7 +592,7 @@ struct ServerState {
         if (!peer.live() || (peer.bucket_sends.empty() && !peer.taking)) continue;
         done = false;
         if (now > current_deadline) {
-          peer.problem = "took no bucket within " + std::to_string(options.peer_timeout.count()) + " ms";
+          peer.problem = message("took no bucket within ", options.peer_timeout.count(), " ms");
         }
       }
       drop_failed();
@@ -616,7 +617,7 @@ struct ServerState {
       }
       if (peer.stalled_since == Clock::time_point{}) peer.stalled_since = now;
       if (now - peer.stalled_since > options.peer_timeout) {
-        peer.problem = "acknowledged nothing within " + std::to_string(options.peer_timeout.count()) + " ms";
+        peer.problem = message("acknowledged nothing within ", options.peer_timeout.count(), " ms");
       } else {
         all_room = false;
       }
@@ -633,13 +634,12 @@ struct ServerState {
       // The subscriber has skipped the bad bucket; serve goes on with the next one rather
       // than leave every relay without the channel.
       if (!failed_verification(e.code())) throw;
-      log("skipped a bucket of the channel that failed its checks: " + std::string(to_string(e.code())) + ": " +
-          e.what());
+      log(message("skipped a bucket of the channel that failed its checks: ", to_string(e.code()), ": ", e.what()));
       return;
     }
     if (!bucket) return;
     if (incarnation && *incarnation != bucket->incarnation()) {
-      log("the channel's next producer is here (incarnation " + std::to_string(bucket->incarnation()) + ")");
+      log(message("the channel's next producer is here (incarnation ", bucket->incarnation(), ")"));
     }
     incarnation = bucket->incarnation();
     current = std::move(bucket);
@@ -658,8 +658,7 @@ Server Server::start(std::string_view channel, const ServeOptions& options, std:
     throw Error(ErrorCode::InvalidArgument, "serve's peer_timeout is at most 10^9 s");
   }
   if (options.max_peers > kMostPeers) {
-    throw Error(ErrorCode::InvalidArgument, "serve's max_peers is at most " + std::to_string(kMostPeers) + ", not " +
-                                                std::to_string(options.max_peers));
+    text::fail(ErrorCode::InvalidArgument, "serve's max_peers is at most ", kMostPeers, ", not ", options.max_peers);
   }
   auto address = detail::parse_address(options.listen, true);
   auto front_door = detail::listen_on(address);  // before the channel is waited for: a bad address fails at once
@@ -675,9 +674,8 @@ Server::~Server() { close(); }
 void Server::serve_for(std::chrono::milliseconds duration) {
   if (!state_) throw Error(ErrorCode::InvalidArgument, "serve_for() on a closed server");
   if (state_->pid != ::getpid()) {
-    throw Error(ErrorCode::InvalidArgument, "the server of " + state_->address + " belongs to process " +
-                                                std::to_string(state_->pid) + "; process " + std::to_string(::getpid()) +
-                                                " was forked from it and cannot serve");
+    text::fail(ErrorCode::InvalidArgument, "the server of ", state_->address, " belongs to process ", state_->pid,
+               "; process ", ::getpid(), " was forked from it and cannot serve");
   }
   auto until = detail::Clock::now() + duration;
   while (detail::Clock::now() < until) {

@@ -19,9 +19,13 @@
 #include <thread>
 #include <utility>
 
+#include "base/text.hpp"
 #include "tensorbucket/error.hpp"
 
 namespace tensorbucket::net::detail {
+
+using text::fail;
+using text::Quoted;
 
 namespace {
 
@@ -81,7 +85,7 @@ std::shared_ptr<Lookup> resolve_name(const std::string& host, const std::string&
     }).detach();
   } catch (const std::system_error& e) {
     under_way.erase(key);
-    throw Error(ErrorCode::NetworkError, "resolving '" + host + "': no thread for the resolver: " + e.what());
+    fail(ErrorCode::NetworkError, "resolving ", Quoted{host}, ": no thread for the resolver: ", e.what());
   }
   return lookup;
 }
@@ -89,9 +93,9 @@ std::shared_ptr<Lookup> resolve_name(const std::string& host, const std::string&
 }  // namespace
 
 SocketAddress parse_address(std::string_view text, bool numeric_only, std::chrono::milliseconds limit) {
-  auto bad = [&](const std::string& why) {
-    return Error(ErrorCode::InvalidArgument, "address '" + std::string(text) + "' " + why +
-                                                 " (want ADDRESS:PORT, or [ADDRESS]:PORT for IPv6)");
+  auto bad = [&](std::string_view why) {
+    return Error(ErrorCode::InvalidArgument,
+                 text::message("address ", Quoted{text}, ' ', why, " (want ADDRESS:PORT, or [ADDRESS]:PORT for IPv6)"));
   };
   std::string_view host, port;
   if (text.starts_with('[')) {
@@ -133,14 +137,12 @@ SocketAddress parse_address(std::string_view text, bool numeric_only, std::chron
     std::unique_lock lock(lookup->mutex);
     if (!lookup->answered.wait_for(lock, std::min(limit, std::chrono::milliseconds(std::chrono::hours(24))),
                                    [&] { return lookup->done; })) {
-      throw Error(ErrorCode::NetworkError, "address '" + std::string(text) + "': the resolver gave no answer within " +
-                                               std::to_string(limit.count()) + " ms");
+      fail(ErrorCode::NetworkError, "address ", Quoted{text}, ": the resolver gave no answer within ", limit.count(), " ms");
     }
   }
   if (lookup->status != 0) {
-    throw Error(numeric_only ? ErrorCode::InvalidArgument : ErrorCode::NetworkError,
-                "address '" + std::string(text) + "': " + ::gai_strerror(lookup->status) +
-                    (numeric_only ? " (a listener takes a numeric address of this host)" : ""));
+    fail(numeric_only ? ErrorCode::InvalidArgument : ErrorCode::NetworkError, "address ", Quoted{text}, ": ",
+         ::gai_strerror(lookup->status), numeric_only ? " (a listener takes a numeric address of this host)" : "");
   }
   SocketAddress address;
   std::memcpy(&address.storage, lookup->found->ai_addr, lookup->found->ai_addrlen);
@@ -203,22 +205,22 @@ std::string interface_of(const sockaddr* address) {
 }  // namespace
 
 Socket listen_on(const SocketAddress& address) {
-  auto fail = [&](int error) {
-    std::string why = error == EADDRINUSE      ? "the port is in use: a process listens on it, or connections of one that did are closing"
+  auto refused = [&](int error) {
+    const char* why = error == EADDRINUSE      ? "the port is in use: a process listens on it, or connections of one that did are closing"
                       : error == EADDRNOTAVAIL ? "not an address of this host"
                       : error == EACCES        ? "a port below 1024 needs privileges"
                                                : std::strerror(error);
-    return Error(ErrorCode::NetworkError, "cannot listen on " + address.text + ": " + why);
+    fail(ErrorCode::NetworkError, "cannot listen on ", address.text, ": ", why);
   };
   Socket listening(::socket(address.storage.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (!listening) throw fail(errno);
+  if (!listening) refused(errno);
   int on = 1;
   // A server restarted on its port binds it again at once, over the last one's connections in
   // TIME_WAIT; and [::] is IPv6's every interface, not IPv4's too.
   ::setsockopt(listening.get(), SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
   if (address.storage.ss_family == AF_INET6) ::setsockopt(listening.get(), IPPROTO_IPV6, IPV6_V6ONLY, &on, sizeof on);
   if (::bind(listening.get(), address.get(), address.length) != 0 || ::listen(listening.get(), SOMAXCONN) != 0) {
-    throw fail(errno);
+    refused(errno);
   }
   return listening;
 }
@@ -279,7 +281,7 @@ bool ready(int fd, short events, Clock::time_point until) {
 
 Socket connect_to(const SocketAddress& address, Clock::time_point until) {
   Socket link(::socket(address.storage.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (!link) throw Error(ErrorCode::NetworkError, std::string("socket: ") + std::strerror(errno));
+  if (!link) fail(ErrorCode::NetworkError, "socket: ", std::strerror(errno));
   int error = ::connect(link.get(), address.get(), address.length) == 0 ? 0 : errno;
   if (error == EINPROGRESS) {
     if (!ready(link.get(), POLLOUT, until)) {
@@ -289,8 +291,8 @@ Socket connect_to(const SocketAddress& address, Clock::time_point until) {
     ::getsockopt(link.get(), SOL_SOCKET, SO_ERROR, &error, &length);
   }
   if (error != 0) {
-    throw Error(ErrorCode::NetworkError, std::string("no server answered (nothing listens there, or the host is "
-                                                     "unreachable): ") + std::strerror(error));
+    fail(ErrorCode::NetworkError, "no server answered (nothing listens there, or the host is unreachable): ",
+         std::strerror(error));
   }
   return link;
 }
@@ -303,7 +305,7 @@ void send_all(const Socket& link, std::span<const std::byte> bytes, Clock::time_
     } else if (sent < 0 && (errno == EAGAIN || errno == EINTR)) {
       if (!ready(link.get(), POLLOUT, until)) throw Error(ErrorCode::NetworkError, "the server took nothing in time");
     } else {
-      throw Error(ErrorCode::NetworkError, std::string("sending: ") + std::strerror(errno));
+      fail(ErrorCode::NetworkError, "sending: ", std::strerror(errno));
     }
   }
 }
@@ -319,7 +321,7 @@ bool read_available(const Socket& link, DoorReader& reader) {
     } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
       return true;
     } else if (errno != EINTR) {
-      throw Error(ErrorCode::NetworkError, std::string("receiving: ") + std::strerror(errno));
+      fail(ErrorCode::NetworkError, "receiving: ", std::strerror(errno));
     }
   }
   return true;
@@ -328,10 +330,10 @@ bool read_available(const Socket& link, DoorReader& reader) {
 void read_message(const Socket& link, DoorReader& reader, Clock::time_point until) {
   for (;;) {
     if (!read_available(link, reader)) {
-      throw Error(ErrorCode::NetworkError, "the server closed the connection where a " + reader.due() + " was due");
+      fail(ErrorCode::NetworkError, "the server closed the connection where a ", reader.due(), " was due");
     }
     if (reader.done()) return;
-    if (!ready(link.get(), POLLIN, until)) throw Error(ErrorCode::NetworkError, "no " + reader.due() + " came in time");
+    if (!ready(link.get(), POLLIN, until)) fail(ErrorCode::NetworkError, "no ", reader.due(), " came in time");
   }
 }
 

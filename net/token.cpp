@@ -11,47 +11,48 @@
 #include <cstring>
 #include <string>
 
+#include "base/text.hpp"
 #include "tensorbucket/error.hpp"
 #include "tensorbucket/net.hpp"
 #include "door.hpp"
 
 namespace tensorbucket::net {
 
+using text::fail;
+using text::Quoted;
+
 std::string read_token_file(const std::string& path) {
   constexpr std::size_t kMin = 16, kMax = 4096;
-  auto denied = [&](const std::string& why) {
-    return Error(ErrorCode::PermissionDenied, "token file '" + path + "' " + why);
-  };
+  auto denied = [&](const auto&... why) { fail(ErrorCode::PermissionDenied, "token file ", Quoted{path}, ' ', why...); };
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-  if (fd < 0) throw denied(std::string("cannot be opened: ") + std::strerror(errno));
+  if (fd < 0) denied("cannot be opened: ", std::strerror(errno));
   struct Closer {
     int fd;
     ~Closer() { ::close(fd); }
   } closer{fd};
   struct stat info {};
-  if (::fstat(fd, &info) != 0) throw denied(std::string("cannot be read: ") + std::strerror(errno));
-  if (!S_ISREG(info.st_mode)) throw denied("is not a regular file");
-  if (info.st_uid != ::geteuid()) throw denied("belongs to uid " + std::to_string(info.st_uid) + ", not to us");
+  if (::fstat(fd, &info) != 0) denied("cannot be read: ", std::strerror(errno));
+  if (!S_ISREG(info.st_mode)) denied("is not a regular file");
+  if (info.st_uid != ::geteuid()) denied("belongs to uid ", info.st_uid, ", not to us");
   if ((info.st_mode & 077) != 0) {
     char mode[8];
     std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(info.st_mode & 07777));
-    throw denied(std::string("has mode ") + mode + ": group and others must have no access (chmod 600)");
+    denied("has mode ", mode, ": group and others must have no access (chmod 600)");
   }
   std::string token(kMax + 1, '\0');
   std::size_t size = 0;
   while (size < token.size()) {
     auto got = ::read(fd, token.data() + size, token.size() - size);
     if (got < 0 && errno == EINTR) continue;
-    if (got < 0) throw denied(std::string("cannot be read: ") + std::strerror(errno));
+    if (got < 0) denied("cannot be read: ", std::strerror(errno));
     if (got == 0) break;
     size += static_cast<std::size_t>(got);
   }
   token.resize(size);
   if (token.ends_with('\n')) token.pop_back();
   if (token.size() < kMin || token.size() > kMax) {
-    throw Error(ErrorCode::InvalidArgument, "token file '" + path + "' holds " + std::to_string(token.size()) +
-                                                " bytes; a token has " + std::to_string(kMin) + " to " +
-                                                std::to_string(kMax));
+    fail(ErrorCode::InvalidArgument, "token file ", Quoted{path}, " holds ", token.size(), " bytes; a token has ", kMin,
+         " to ", kMax);
   }
   return token;
 }
@@ -63,7 +64,7 @@ void random_bytes(void* into, std::size_t size) {
   while (size > 0) {
     auto got = ::getrandom(bytes, size, 0);
     if (got < 0 && errno == EINTR) continue;
-    if (got < 0) throw Error(ErrorCode::SystemError, std::string("getrandom: ") + std::strerror(errno));
+    if (got < 0) fail(ErrorCode::SystemError, "getrandom: ", std::strerror(errno));
     bytes += got;
     size -= static_cast<std::size_t>(got);
   }

@@ -8,12 +8,15 @@
 #include <filesystem>
 #include <thread>
 
+#include "base/text.hpp"
 #include "tensorbucket/error.hpp"
 
 namespace tensorbucket::net::detail {
 
+using text::fail;
+
 void fail_ucx(std::string_view what, ucs_status_t status) {
-  throw Error(ErrorCode::NetworkError, std::string(what) + ": " + ucs_status_string(status));
+  fail(ErrorCode::NetworkError, what, ": ", ucs_status_string(status));
 }
 
 namespace {
@@ -71,7 +74,7 @@ Worker::Worker(const std::string& interface, sa_family_t family) {
   }
   if (!interface.empty() && !user_named) {
     auto devices = interface + rdma_ports();
-    set("NET_DEVICES", devices.c_str(), "holding UCX to " + devices);
+    set("NET_DEVICES", devices.c_str(), text::message("holding UCX to ", devices));
   }
   if (family == AF_INET6 && std::getenv("UCX_TCP_AF_PRIO") == nullptr) set("TCP_AF_PRIO", "inet6,inet", "preferring IPv6");
   ucp_params_t params{};
@@ -117,8 +120,8 @@ std::vector<std::byte> Worker::address() const {
   std::vector<std::byte> address(bytes, bytes + attr.address_length);
   ucp_worker_release_address(worker_, attr.address);
   if (address.empty() || address.size() > kMaxWorkerAddress) {
-    throw Error(ErrorCode::NetworkError, "UCX's worker address has " + std::to_string(address.size()) +
-                                             " bytes; the front door carries 1 to " + std::to_string(kMaxWorkerAddress));
+    fail(ErrorCode::NetworkError, "UCX's worker address has ", address.size(), " bytes; the front door carries 1 to ",
+         kMaxWorkerAddress);
   }
   return address;
 }

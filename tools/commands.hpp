@@ -5,10 +5,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "base/text.hpp"
+#include "exit_codes.hpp"
 #include "tensorbucket/tensorbucket.hpp"
 #include "workload.hpp"
 
@@ -152,6 +156,23 @@ int run_bench(const BenchOptions& options);
 void install_stop_handlers();
 int stop_signal();  // 0 while running
 
+// Says on stderr that a stop signal ended the command ("tbucket: stopped by signal 15; `what`")
+// and returns the status for it, 128 + the signal.
+int stopped(std::string_view what = {});
+
+// Says on stderr "tbucket: Timeout: " and the message `parts` make, and returns kTimeout.
+template <class... Parts>
+int timed_out(const Parts&... parts) {
+  std::fprintf(stderr, "tbucket: Timeout: %s\n", text::message(parts...).c_str());
+  return kTimeout;
+}
+
+// The timeout of a publisher's drain(): what it waited for.
+inline int not_drained(const Publisher& publisher, std::uint64_t timeout_ms) {
+  return timed_out("consumers did not release every bucket of ", text::Quoted{publisher.channel()}, " within ",
+                   timeout_ms, " ms; waiting for ", publisher.waiting_for());
+}
+
 // Longest single wait, so a stop signal is noticed promptly.
 constexpr auto kWaitSlice = std::chrono::milliseconds(50);
 
@@ -168,6 +189,27 @@ bool with_deadline(std::uint64_t timeout_ms, Attempt&& attempt) {
     if (attempt(std::clamp(limit - spent(), milliseconds(0), kWaitSlice))) return true;
     if (stop_signal() != 0 || spent() >= limit) return false;
   }
+}
+
+// What attach(slice) returns once `channel` has a live producer, tried again while it throws
+// ChannelMissing; nothing when a stop signal came first; ChannelMissing naming the channel
+// when `timeout_ms` passed first.
+template <class Attach>
+auto when_produced(const std::string& channel, std::uint64_t timeout_ms, Attach&& attach) {
+  std::optional<decltype(attach(kWaitSlice))> attached;
+  with_deadline(timeout_ms, [&](auto slice) {
+    try {
+      attached.emplace(attach(slice));
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::ChannelMissing) throw;  // not there yet
+    }
+    return attached.has_value();
+  });
+  if (!attached && stop_signal() == 0) {
+    text::fail(ErrorCode::ChannelMissing, "channel ", text::Quoted{channel}, " had no live producer within ",
+               timeout_ms, " ms");
+  }
+  return attached;
 }
 
 }  // namespace tensorbucket::cli

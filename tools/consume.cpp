@@ -13,11 +13,6 @@
 namespace tensorbucket::cli {
 namespace {
 
-int stopped() {
-  std::fprintf(stderr, "tbucket: stopped by signal %d; channel left\n", stop_signal());
-  return 128 + stop_signal();
-}
-
 // What one line reports: a bucket, or a whole update of them.
 struct Line {
   std::uint64_t sequence = 0;  // of the (first) bucket
@@ -75,20 +70,9 @@ int run_consume(const ConsumeOptions& options) {
   install_stop_handlers();
   SubscribeOptions subscribe{.whole_updates = options.updates, .follow_restarts = options.follow};
   if (!options.device.empty()) subscribe.expected_location = PayloadLocation::parse(options.device).kind;
-  std::optional<Subscriber> subscriber;
-  with_deadline(options.timeout_ms, [&](auto slice) {
-    try {
-      subscriber.emplace(Subscriber::attach(options.channel, slice, subscribe));
-    } catch (const Error& e) {
-      if (e.code() != ErrorCode::ChannelMissing) throw;  // not there yet
-    }
-    return subscriber.has_value();
-  });
-  if (stop_signal() != 0) return stopped();
-  if (!subscriber) {
-    throw Error(ErrorCode::ChannelMissing, "channel '" + options.channel + "' had no live producer within " +
-                                               std::to_string(options.timeout_ms) + " ms");
-  }
+  auto subscriber = when_produced(options.channel, options.timeout_ms,
+                                  [&](auto slice) { return Subscriber::attach(options.channel, slice, subscribe); });
+  if (stop_signal() != 0) return stopped("channel left");  // else attached
   // Lines printed to a terminal show the progress themselves.
   Progress progress("consume", !options.quiet && ::isatty(STDOUT_FILENO) == 0);
   for (std::uint64_t received = 0; options.buckets == 0 || received < options.buckets; ++received) {
@@ -116,12 +100,10 @@ int run_consume(const ConsumeOptions& options) {
     }
     progress.add(line.buckets, line.bytes);
     if (stop_signal() != 0 || line.buckets == 0 || !line.problem.empty()) progress.finish();
-    if (stop_signal() != 0) return stopped();
+    if (stop_signal() != 0) return stopped("channel left");
     if (line.buckets == 0) {
-      std::fprintf(stderr, "tbucket: Timeout: no %s arrived on '%s' within %llu ms\n",
-                   options.updates ? "whole update" : "bucket", options.channel.c_str(),
-                   static_cast<unsigned long long>(options.timeout_ms));
-      return kTimeout;
+      return timed_out("no ", options.updates ? "whole update" : "bucket", " arrived on ", text::Quoted{options.channel},
+                       " within ", options.timeout_ms, " ms");
     }
     print(line, options);
     if (!line.problem.empty()) {

@@ -35,11 +35,6 @@ std::string file_name(const SaveOptions& options, std::uint64_t version, std::op
 
 double mib(std::uint64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 
-int stopped() {
-  std::fprintf(stderr, "tbucket: stopped by signal %d\n", stop_signal());
-  return 128 + stop_signal();
-}
-
 }  // namespace
 
 int run_publish_file(const PublishFileOptions& options) {
@@ -55,11 +50,9 @@ int run_publish_file(const PublishFileOptions& options) {
   if (stop_signal() != 0) return stopped();
   auto seconds = std::chrono::duration<double>(Clock::now() - start).count();
   if (published.published < published.buckets) {
-    std::fprintf(stderr, "tbucket: Timeout: no slot of channel '%s' came free within %llu ms (bucket %u of %u); "
-                 "waiting for %s; the update stays unfinished\n", options.channel.c_str(),
-                 static_cast<unsigned long long>(options.timeout_ms), published.published, published.buckets,
-                 publisher.waiting_for().c_str());
-    return kTimeout;
+    return timed_out("no slot of channel ", text::Quoted{options.channel}, " came free within ", options.timeout_ms,
+                     " ms (bucket ", published.published, " of ", published.buckets, "); waiting for ",
+                     publisher.waiting_for(), "; the update stays unfinished");
   }
   auto bytes = published.bytes;
   std::printf("published %u buckets of version %llu from %zu files (%.1f MiB of tensors) on channel '%s' in %.3f s: "
@@ -68,31 +61,16 @@ int run_publish_file(const PublishFileOptions& options) {
   std::fflush(stdout);
   bool drained = with_deadline(options.timeout_ms, [&](auto slice) { return publisher.drain(slice); });
   if (stop_signal() != 0) return stopped();
-  if (!drained) {
-    std::fprintf(stderr, "tbucket: Timeout: consumers did not release every bucket of '%s' within %llu ms; "
-                 "waiting for %s\n", options.channel.c_str(), static_cast<unsigned long long>(options.timeout_ms),
-                 publisher.waiting_for().c_str());
-    return kTimeout;
-  }
+  if (!drained) return not_drained(publisher, options.timeout_ms);
   return kOk;
 }
 
 int run_save(const SaveOptions& options) {
   install_stop_handlers();
-  std::optional<Subscriber> subscriber;
-  with_deadline(options.timeout_ms, [&](auto slice) {
-    try {
-      // Following the channel's producers: publish-file publishes one update and leaves.
-      subscriber.emplace(Subscriber::attach(options.channel, slice, {.whole_updates = true, .follow_restarts = true}));
-    } catch (const Error& e) {
-      if (e.code() != ErrorCode::ChannelMissing) throw;  // not there yet
-    }
-    return subscriber.has_value();
+  // Following the channel's producers: publish-file publishes one update and leaves.
+  auto subscriber = when_produced(options.channel, options.timeout_ms, [&](auto slice) {
+    return Subscriber::attach(options.channel, slice, {.whole_updates = true, .follow_restarts = true});
   });
-  if (!subscriber && stop_signal() == 0) {
-    throw Error(ErrorCode::ChannelMissing, "channel '" + options.channel + "' had no live producer within " +
-                                               std::to_string(options.timeout_ms) + " ms");
-  }
   std::map<std::uint64_t, std::uint64_t> seen;  // updates saved, by version
   for (std::uint64_t saved = 0; saved < options.updates && stop_signal() == 0; ++saved) {
     std::optional<ReceivedUpdate> update;
@@ -106,9 +84,7 @@ int run_save(const SaveOptions& options) {
     });
     if (stop_signal() != 0) break;
     if (!update) {
-      std::fprintf(stderr, "tbucket: Timeout: no whole update arrived on '%s' within %llu ms\n",
-                   options.channel.c_str(), static_cast<unsigned long long>(options.timeout_ms));
-      return kTimeout;
+      return timed_out("no whole update arrived on ", text::Quoted{options.channel}, " within ", options.timeout_ms, " ms");
     }
     // Views of the payloads on the host: a device bucket's copied back first.
     std::vector<std::vector<std::byte>> copies;

@@ -9,14 +9,6 @@
 #include "tensorbucket/net.hpp"
 
 namespace tensorbucket::cli {
-namespace {
-
-int stopped(const char* what) {
-  std::fprintf(stderr, "tbucket: stopped by signal %d; %s\n", stop_signal(), what);
-  return 128 + stop_signal();
-}
-
-}  // namespace
 
 int run_serve(const ServeCommandOptions& options) {
   install_stop_handlers();
@@ -24,23 +16,11 @@ int run_serve(const ServeCommandOptions& options) {
                           .token = net::read_token_file(options.token_file),
                           .peer_timeout = std::chrono::milliseconds(options.peer_timeout_ms),
                           .max_peers = options.max_peers};
-  std::optional<net::Server> server;
-  bool started = with_deadline(options.timeout_ms, [&](auto slice) {
-    try {
-      server.emplace(net::Server::start(options.channel, serve, slice));
-      return true;
-    } catch (const Error& e) {
-      if (e.code() != ErrorCode::ChannelMissing) throw;
-      return false;
-    }
-  });
-  if (stop_signal() != 0) return stopped("served nothing");
-  if (!started) {
-    std::fprintf(stderr, "tbucket: ChannelMissing: channel '%s' had no live producer within %llu ms\n",
-                 options.channel.c_str(), static_cast<unsigned long long>(options.timeout_ms));
-    return kChannelUnavailable;
-  }
-  std::fprintf(stderr, "tbucket serve: channel '%s' on %s\n", options.channel.c_str(), server->address().c_str());
+  auto server = when_produced(options.channel, options.timeout_ms,
+                              [&](auto slice) { return net::Server::start(options.channel, serve, slice); });
+  if (stop_signal() != 0) return stopped("served nothing");  // else started
+  std::fprintf(stderr, "tbucket serve: channel %s on %s\n", text::message(text::Quoted{options.channel}).c_str(),
+               server->address().c_str());
   while (stop_signal() == 0) server->serve_for(kWaitSlice);
   auto served = server->buckets_served();
   server->close();

@@ -13,21 +13,14 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-int stopped() {
-  std::fprintf(stderr, "tbucket: stopped by signal %d; channel closed\n", stop_signal());
-  return 128 + stop_signal();
-}
-
 // The options' bucket within the format's payload limit: a usage error, not a bad bucket.
 void check_payload_limit(const Workload& workload) {
   auto entry_bytes = (tensor_bytes(workload) + kPayloadAlignment - 1) / kPayloadAlignment * kPayloadAlignment;
   // At most 2^20 tensors of 2^40 bytes (the options' ranges): no overflow.
   auto payload_bytes = workload.tensors * entry_bytes;
   if (payload_bytes > kMaxPayloadBytes) {
-    throw Error(ErrorCode::InvalidArgument,
-                std::to_string(workload.tensors) + " tensors of " + std::to_string(workload.tensor_bytes) +
-                    " bytes make a " + std::to_string(payload_bytes) + "-byte payload, past the limit of " +
-                    std::to_string(kMaxPayloadBytes));
+    text::fail(ErrorCode::InvalidArgument, workload.tensors, " tensors of ", workload.tensor_bytes, " bytes make a ",
+               payload_bytes, "-byte payload, past the limit of ", kMaxPayloadBytes);
   }
 }
 
@@ -96,12 +89,10 @@ int run_produce(const ProduceOptions& options) {
     }
     progress.add(published ? 1 : 0, bytes - bytes_before);
     if (stop_signal() != 0 || !published) progress.finish();
-    if (stop_signal() != 0) return stopped();
+    if (stop_signal() != 0) return stopped("channel closed");
     if (!published) {
-      std::fprintf(stderr, "tbucket: Timeout: no slot of channel '%s' came free within %llu ms (bucket %llu); "
-                   "waiting for %s\n", options.channel.c_str(), static_cast<unsigned long long>(options.timeout_ms),
-                   static_cast<unsigned long long>(i), publisher.waiting_for().c_str());
-      return kTimeout;
+      return timed_out("no slot of channel ", text::Quoted{options.channel}, " came free within ", options.timeout_ms,
+                       " ms (bucket ", i, "); waiting for ", publisher.waiting_for());
     }
     if (options.interval_ms != 0) {
       with_deadline(options.interval_ms, [](auto slice) {
@@ -112,13 +103,8 @@ int run_produce(const ProduceOptions& options) {
   }
   bool drained = with_deadline(options.timeout_ms, [&](auto slice) { return publisher.drain(slice); });
   progress.finish();
-  if (stop_signal() != 0) return stopped();
-  if (!drained) {
-    std::fprintf(stderr, "tbucket: Timeout: consumers did not release every bucket of '%s' within %llu ms; "
-                 "waiting for %s\n", options.channel.c_str(), static_cast<unsigned long long>(options.timeout_ms),
-                 publisher.waiting_for().c_str());
-    return kTimeout;
-  }
+  if (stop_signal() != 0) return stopped("channel closed");
+  if (!drained) return not_drained(publisher, options.timeout_ms);
   auto seconds = std::chrono::duration<double>(Clock::now() - start).count();
   std::printf("published %llu buckets, %.1f MiB, on channel '%s' in %.3f s\n",
               static_cast<unsigned long long>(workload.buckets), static_cast<double>(bytes) / (1 << 20),
@@ -149,5 +135,11 @@ void install_stop_handlers() {
 }
 
 int stop_signal() { return received_signal; }
+
+int stopped(std::string_view what) {
+  std::fprintf(stderr, "tbucket: stopped by signal %d%s%.*s\n", stop_signal(), what.empty() ? "" : "; ",
+               static_cast<int>(what.size()), what.data());
+  return 128 + stop_signal();
+}
 
 }  // namespace tensorbucket::cli

@@ -21,8 +21,9 @@ constexpr auto kAny = std::numeric_limits<std::uint64_t>::max();
 // numeric option is read through this: CLI11 on its own took "-1" for 2^64 - 1 and went on
 // past 2^64.
 CLI::Validator whole_number(std::uint64_t min, std::uint64_t max, std::uint64_t step = 1) {
-  std::string wanted = "a whole number from " + std::to_string(min) + " to " + std::to_string(max) +
-                       (step > 1 ? ", a multiple of " + std::to_string(step) : "");
+  using tensorbucket::text::message;
+  auto wanted = message("a whole number from ", min, " to ", max);
+  if (step > 1) wanted += message(", a multiple of ", step);
   return CLI::Validator(
       [=](std::string& text) -> std::string {
         std::uint64_t value = 0;
@@ -30,7 +31,7 @@ CLI::Validator whole_number(std::uint64_t min, std::uint64_t max, std::uint64_t 
         auto [stop, error] = std::from_chars(text.data(), end, value);
         if (text.empty() || error != std::errc() || stop != end || value < min || value > max ||
             value % step != 0) {
-          return "'" + text + "' is not " + wanted;
+          return message(tensorbucket::text::Quoted{text}, " is not ", wanted);
         }
         return {};
       },

@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "base/text.hpp"
 #include "tensorbucket/tensorbucket.hpp"
 #include "tensorbucket/torch.hpp"
 
@@ -33,8 +34,7 @@ inline bool is_tensor(const py::handle& value) {
 template <class Visit>
 void visit_pair(PyObject* pair, Visit& visit) {
   if (!(PyTuple_Check(pair) || PyList_Check(pair)) || PySequence_Fast_GET_SIZE(pair) != 2) {
-    throw Error(ErrorCode::InvalidArgument,
-                "expected (name, tensor) pairs, not an item of type " + type_name(pair));
+    text::fail(ErrorCode::InvalidArgument, "expected (name, tensor) pairs, not an item of type ", type_name(pair));
   }
   visit(py::handle(PySequence_Fast_GET_ITEM(pair, 0)), py::handle(PySequence_Fast_GET_ITEM(pair, 1)));
 }
@@ -64,12 +64,11 @@ void for_each_item(const py::handle& tensors, Visit&& visit) {
   }
   // A tensor or a str would iterate, into rows or letters: refused as a whole instead.
   if (is_tensor(tensors) || PyUnicode_Check(all) || !py::isinstance<py::iterable>(tensors)) {
-    std::string hint = py::hasattr(tensors, "state_dict")
+    const char* hint = py::hasattr(tensors, "state_dict")
                            ? "; for a module, pass module.state_dict(keep_vars=True), built once"
                            : "";
-    throw Error(ErrorCode::InvalidArgument,
-                "tensors must be a dict {name: tensor} or a list of (name, tensor) pairs, not " +
-                    type_name(tensors) + hint);
+    text::fail(ErrorCode::InvalidArgument, "tensors must be a dict {name: tensor} or a list of (name, tensor) pairs, not ",
+               type_name(tensors), hint);
   }
   for (auto item : py::reinterpret_borrow<py::iterable>(tensors)) visit_pair(item.ptr(), visit);
 }
@@ -77,8 +76,8 @@ void for_each_item(const py::handle& tensors, Visit&& visit) {
 // The tensor a Python object holds; InvalidArgument naming the entry otherwise.
 inline const at::Tensor& tensor_of(const py::handle& value, const std::string& name) {
   if (!is_tensor(value)) {
-    throw Error(ErrorCode::InvalidArgument,
-                "entry '" + name + "' is of type " + type_name(value) + ", not torch.Tensor");
+    text::fail(ErrorCode::InvalidArgument, "entry ", text::Quoted{name}, " is of type ", type_name(value),
+               ", not torch.Tensor");
   }
   return THPVariable_Unpack(value.ptr());
 }
@@ -99,11 +98,11 @@ inline std::optional<std::string_view> utf8_of(const py::handle& text) {
 // A tensor or group name; InvalidArgument when it is not a str or has no UTF-8 form.
 inline std::string name_of(const py::handle& name, const char* what = "tensor names") {
   if (!PyUnicode_Check(name.ptr())) {
-    throw Error(ErrorCode::InvalidArgument, std::string(what) + " must be str, not " + type_name(name));
+    text::fail(ErrorCode::InvalidArgument, what, " must be str, not ", type_name(name));
   }
   auto utf8 = utf8_of(name);
   if (!utf8) {
-    throw Error(ErrorCode::InvalidArgument, "name " + std::string(py::repr(name)) + " has no UTF-8 form");
+    text::fail(ErrorCode::InvalidArgument, "name ", std::string(py::repr(name)), " has no UTF-8 form");
   }
   return std::string(*utf8);
 }
@@ -126,15 +125,13 @@ inline std::vector<ManifestGroup> to_groups(const py::handle& groups) {
   std::vector<ManifestGroup> out;
   if (groups.is_none()) return out;
   if (!PyDict_Check(groups.ptr())) {
-    throw Error(ErrorCode::InvalidArgument,
-                "groups must be a dict {group: [member, ...]}, not " + type_name(groups));
+    text::fail(ErrorCode::InvalidArgument, "groups must be a dict {group: [member, ...]}, not ", type_name(groups));
   }
   for (auto [group, members] : groups.cast<py::dict>()) {
     auto& added = out.emplace_back(ManifestGroup{name_of(group, "group names"), {}});
     if (!PyList_Check(members.ptr()) && !PyTuple_Check(members.ptr())) {  // a str would iterate
-      throw Error(ErrorCode::InvalidArgument, "group '" + added.name +
-                                                  "': members must be a list or tuple of names, not " +
-                                                  type_name(members));
+      text::fail(ErrorCode::InvalidArgument, "group ", text::Quoted{added.name},
+                 ": members must be a list or tuple of names, not ", type_name(members));
     }
     for (auto member : members) added.members.push_back(name_of(member, "group members"));
   }

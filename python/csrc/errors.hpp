@@ -22,14 +22,14 @@ namespace py = pybind11;
 inline void raise_as(const py::exception<Error>& type, std::string_view code, const std::string& message,
                      const std::string& details = {}) {
   auto name = type.attr("__name__").cast<std::string>();
-  auto text = name == code ? message : std::string(code) + ": " + message;
+  auto shown = name == code ? message : text::message(code, ": ", message);
   // Names are bytes: one that is not UTF-8 (a file's, a C++ producer's) shows escaped, where
   // a strict decode would raise UnicodeDecodeError instead of this error.
   auto as_str = [](const std::string& bytes) {
     return py::reinterpret_steal<py::str>(
         PyUnicode_DecodeUTF8(bytes.data(), static_cast<Py_ssize_t>(bytes.size()), "backslashreplace"));
   };
-  auto instance = py::reinterpret_borrow<py::object>(type)(as_str(text));
+  auto instance = py::reinterpret_borrow<py::object>(type)(as_str(shown));
   instance.attr("code") = py::str(code.data(), code.size());
   instance.attr("details") = as_str(details);
   PyErr_SetObject(type.ptr(), instance.ptr());

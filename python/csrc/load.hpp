@@ -20,8 +20,8 @@ inline void load_into(const py::object& module, const py::handle& tensors) {
   // of what a state_dict() costs
   bool is_module = py::hasattr(module, "state_dict");
   if (!is_module && !py::hasattr(module, "items")) {
-    throw Error(ErrorCode::InvalidArgument,
-                "module must be a torch.nn.Module or its state_dict(keep_vars=True), not " + type_name(module));
+    text::fail(ErrorCode::InvalidArgument, "module must be a torch.nn.Module or its state_dict(keep_vars=True), not ",
+               type_name(module));
   }
   auto targets = to_named(is_module ? module.attr("state_dict")(py::arg("keep_vars") = true) : module);
   if (py::isinstance<PyUpdate>(tensors)) {  // each bucket straight from its bytes

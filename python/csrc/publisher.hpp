@@ -55,7 +55,7 @@ class PyPublisher {
                std::optional<double> timeout) {
     auto deadline = deadline_in(timeout);
     auto turn = take_turn(turn_, deadline);
-    if (!turn) throw WaitTimeout{"another thread's call on channel '" + publisher_.channel() + "' took the whole timeout; nothing was published"};
+    if (!turn) throw turn_taken();
     auto group_list = to_groups(groups);
     if (kept_ && kept_->groups == group_list && stage_kept(tensors)) {
       return publish_staged(version, bucket_index, bucket_count, deadline);
@@ -72,7 +72,8 @@ class PyPublisher {
       try {
         for (std::size_t i = 0; i < named.size(); ++i) {  // each fits: layout_of() just checked it
           if (!staged_.add(named[i].second, entries[i], publisher_.location())) {
-            throw Error(ErrorCode::ManifestMismatch, "the tensor for entry '" + entries[i].name + "' does not fit its own layout");
+            text::fail(ErrorCode::ManifestMismatch, "the tensor for entry ", text::Quoted{entries[i].name},
+                       " does not fit its own layout");
           }
         }
       } catch (...) {
@@ -89,7 +90,7 @@ class PyPublisher {
                              std::uint64_t bucket_bytes, std::optional<double> timeout) {
     auto deadline = deadline_in(timeout);
     auto turn = take_turn(turn_, deadline);
-    if (!turn) throw WaitTimeout{"another thread's call on channel '" + publisher_.channel() + "' took the whole timeout; nothing was published"};
+    if (!turn) throw turn_taken();
     stop_if_closing("; nothing was published");
     auto wait = deadline ? std::chrono::ceil<std::chrono::milliseconds>(std::max(*deadline - Clock::now(), Clock::duration(0)))
                          : std::chrono::milliseconds(std::chrono::hours(24 * 365 * 100));
@@ -110,10 +111,7 @@ class PyPublisher {
     if (signalled) throw py::error_already_set();
     stop_if_closing("; the update stays unfinished");
     if (result.published < result.buckets) {
-      auto waited_for = publisher_.waiting_for();
-      throw WaitTimeout{"no slot of channel '" + publisher_.channel() + "' came free in time for bucket " +
-                        std::to_string(result.published) + " of " + std::to_string(result.buckets) + ", waiting for " +
-                        (waited_for.empty() ? std::string("a consumer") : waited_for) + "; the update stays unfinished"};
+      throw no_slot(text::message(" for bucket ", result.published, " of ", result.buckets), "; the update stays unfinished");
     }
     return result.buckets;
   }
@@ -144,10 +142,23 @@ class PyPublisher {
     BucketBuilder builder;  // every entry declared
   };
 
+  WaitTimeout turn_taken() const {
+    return {text::message("another thread's call on channel ", text::Quoted{publisher_.channel()},
+                          " took the whole timeout; nothing was published")};
+  }
+
+  // No slot came free in time: "no slot of channel 'c' came free in time`which`, waiting for
+  // ...`outcome`".
+  WaitTimeout no_slot(std::string_view which, std::string_view outcome) const {
+    auto waited_for = publisher_.waiting_for();
+    return {text::message("no slot of channel ", text::Quoted{publisher_.channel()}, " came free in time", which,
+                          ", waiting for ", waited_for.empty() ? std::string("a consumer") : waited_for, outcome)};
+  }
+
   // Between the wait slices of publish() and drain(): see Turns::closing.
   void stop_if_closing(const char* outcome) const {
     if (turn_.closing) {
-      throw Error(ErrorCode::InvalidArgument, "channel '" + publisher_.channel() + "' is closed" + outcome);
+      text::fail(ErrorCode::InvalidArgument, "channel ", text::Quoted{publisher_.channel()}, " is closed", outcome);
     }
   }
 
@@ -180,11 +191,7 @@ class PyPublisher {
       stop_if_closing("; nothing was published");
       return torch_bridge::publish_in_place(publisher_, kept_->builder, staged_, slice, stream);
     });
-    if (!published) {
-      auto waited_for = publisher_.waiting_for();
-      throw WaitTimeout{"no slot of channel '" + publisher_.channel() + "' came free in time, waiting for " +
-                        (waited_for.empty() ? std::string("a consumer") : waited_for) + "; nothing was published"};
-    }
+    if (!published) throw no_slot("", "; nothing was published");
     published_ = publisher_.published();
   }
 

@@ -84,7 +84,7 @@ class PyRelay {
 
  private:
   net::Relay& live() {
-    if (!relay_) throw Error(ErrorCode::InvalidArgument, "relay into channel '" + local_channel_ + "' is closed");
+    if (!relay_) text::fail(ErrorCode::InvalidArgument, "relay into channel ", text::Quoted{local_channel_}, " is closed");
     return *relay_;
   }
 
@@ -93,7 +93,7 @@ class PyRelay {
   static std::chrono::milliseconds local_timeout(std::optional<double> seconds) {
     if (!seconds || *seconds >= 1e9) return net::kLongestTimeout;
     if (!(*seconds >= 0)) {
-      throw Error(ErrorCode::InvalidArgument, "timeout must be seconds, at least 0, not " + as_text(*seconds));
+      text::fail(ErrorCode::InvalidArgument, "timeout must be seconds, at least 0, not ", as_text(*seconds));
     }
     return std::chrono::ceil<std::chrono::milliseconds>(std::chrono::duration<double>(*seconds));
   }

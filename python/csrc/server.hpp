@@ -62,7 +62,7 @@ class PyServer {
 
  private:
   net::Server& live() {
-    if (!server_) throw Error(ErrorCode::InvalidArgument, "server of channel '" + channel_ + "' is closed");
+    if (!server_) text::fail(ErrorCode::InvalidArgument, "server of channel ", text::Quoted{channel_}, " is closed");
     return *server_;
   }
 

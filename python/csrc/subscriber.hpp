@@ -61,8 +61,11 @@ class PySubscriber {
 
  private:
   Subscriber& live() {
-    if (!subscriber_) throw Error(ErrorCode::InvalidArgument, "subscriber of channel '" + channel_ + "' is closed");
+    if (!subscriber_) closed();
     return *subscriber_;
+  }
+  [[noreturn]] void closed() const {
+    text::fail(ErrorCode::InvalidArgument, "subscriber of channel ", text::Quoted{channel_}, " is closed");
   }
 
   // Waits, in turn and in slices, for what `take(slice, options, stream)` returns.
@@ -77,7 +80,7 @@ class PySubscriber {
     if (!turn) return std::nullopt;
     auto stream = current_stream(live().location());
     return wait_until(deadline, [&](auto slice) {
-      if (turn_.closing) throw Error(ErrorCode::InvalidArgument, "subscriber of channel '" + channel_ + "' is closed");
+      if (turn_.closing) closed();
       return take(slice, options, stream);
     });
   }

@@ -15,6 +15,7 @@
 #include <thread>
 #include <utility>
 
+#include "base/text.hpp"
 #include "tensorbucket/error.hpp"
 
 namespace tensorbucket::python {
@@ -40,8 +41,7 @@ inline std::string as_text(double seconds) { return py::str(py::float_(seconds))
 // naming the argument otherwise.
 inline std::chrono::milliseconds limit_in_ms(double seconds, const char* name) {
   if (!(seconds > 0 && seconds <= 1e9)) {
-    throw Error(ErrorCode::InvalidArgument,
-                std::string(name) + " must be seconds above 0 and at most 1e9, not " + as_text(seconds));
+    text::fail(ErrorCode::InvalidArgument, name, " must be seconds above 0 and at most 1e9, not ", as_text(seconds));
   }
   return std::chrono::ceil<std::chrono::milliseconds>(std::chrono::duration<double>(seconds));
 }
@@ -51,8 +51,7 @@ inline std::chrono::milliseconds limit_in_ms(double seconds, const char* name) {
 inline Deadline deadline_in(std::optional<double> seconds) {
   if (!seconds || *seconds > 1e9) return std::nullopt;  // inf included; 1e9 s is ~32 years
   if (!(*seconds >= 0)) {
-    throw Error(ErrorCode::InvalidArgument,
-                "timeout must be seconds >= 0, or None for no limit, not " + as_text(*seconds));
+    text::fail(ErrorCode::InvalidArgument, "timeout must be seconds >= 0, or None for no limit, not ", as_text(*seconds));
   }
   auto wait = std::chrono::duration<double>(*seconds);
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(wait);
@@ -146,8 +145,8 @@ auto when_produced(const std::string& channel, std::optional<double> timeout, At
     }
   });
   if (!attached) {
-    throw Error(ErrorCode::ChannelMissing,
-                "channel '" + channel + "' had no live producer within " + as_text(*timeout) + " s");
+    text::fail(ErrorCode::ChannelMissing, "channel ", text::Quoted{channel}, " had no live producer within ",
+               as_text(*timeout), " s");
   }
   return std::move(*attached);
 }
