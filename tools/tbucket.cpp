@@ -242,8 +242,9 @@ int main(int argc, char** argv) {
   // CLI11 answers an unknown command with "A subcommand is required".
   auto named = [&](const CLI::App* command) { return command->get_name() == argv[1]; };
   if (argc > 1 && argv[1][0] != '-' && app.get_subcommands(named).empty()) {
-    std::fprintf(stderr, "tbucket: usage: unknown command '%s'; the commands are produce, consume, "
-                 "inspect, list, rm, publish-file, save, %s (see tbucket --help)\n", argv[1],
+    std::fprintf(stderr, "tbucket: usage: unknown command %s; the commands are produce, consume, "
+                 "inspect, list, rm, publish-file, save, %s (see tbucket --help)\n",
+                 tensorbucket::text::message(tensorbucket::text::Quoted{argv[1]}).c_str(),
 #ifdef TENSORBUCKET_NET
                  "demo, bench, serve and relay"
 #else
