@@ -15,27 +15,23 @@ namespace tensorbucket {
 
 namespace {
 
-// The manifest of the bucket in `slot`, copied out and decoded only if the slot still holds
-// the same bucket afterwards (the seqlock check); nullopt otherwise.
+// The manifest of the bucket in `slot`, read through a consumer's reader (its frame alone),
+// copied out and decoded only if the slot still holds the same bucket afterwards (the seqlock
+// check); nullopt otherwise.
 std::optional<Manifest> read_manifest(std::string_view channel, std::uint32_t s, ipc::SlotControl& slot,
                                       ipc::PayloadHome home) {
   auto generation = ipc::atomic(slot.generation).load(std::memory_order_acquire);
-  auto epoch = ipc::atomic(slot.segment_epoch).load(std::memory_order_relaxed);
-  auto payload_capacity = ipc::atomic(slot.payload_capacity).load(std::memory_order_relaxed);
-  auto frame_bytes = ipc::atomic(slot.frame_bytes).load(std::memory_order_relaxed);
-  auto segment = ipc::Segment::open(ipc::slot_segment_name(channel, s, epoch), 0, false);
-  auto offset = ipc::frame_offset(home, payload_capacity);
-  // Checked against the mapping we hold, not against sizes anyone could have written.
-  if (!segment || offset > segment->size() || frame_bytes > segment->size() - offset) return std::nullopt;
-  std::vector<std::byte> frame(frame_bytes);
-  std::memcpy(frame.data(), segment->data() + offset, frame_bytes);
-  if (ipc::atomic(slot.generation).load(std::memory_order_acquire) != generation || segment->damaged()) {
-    return std::nullopt;
-  }
   try {
+    ipc::SlotReader reader{std::string(channel), s, home};
+    auto mapping = reader.map_frame(slot);
+    if (!mapping) return std::nullopt;
+    std::vector<std::byte> frame(mapping->frame.begin(), mapping->frame.end());
+    if (ipc::atomic(slot.generation).load(std::memory_order_acquire) != generation || mapping->segment->damaged()) {
+      return std::nullopt;
+    }
     auto header = read_header(frame);
     return decode_manifest(manifest_bytes(header, frame));
-  } catch (const Error&) {
+  } catch (const Error&) {  // a frame that does not fit its segment, or does not decode
     return std::nullopt;
   }
 }

@@ -9,17 +9,17 @@
 #include <random>
 #include <thread>
 
-#include "control.hpp"
-#include "ipc/cuda/release_events.hpp"
+#include "base/text.hpp"
+#include "ipc/control.hpp"
+#include "ipc/leftovers.hpp"
 #include "ipc/os/futex.hpp"
-#include "leftovers.hpp"
 #include "ipc/os/liveness.hpp"
 #include "ipc/os/process.hpp"
 #include "ipc/os/segment.hpp"
+#include "ipc/payload_writer.hpp"
+#include "ipc/slot_storage.hpp"
 #include "serialize/copy.hpp"
-#include "slot_storage.hpp"
 #include "serialize/identity.hpp"
-#include "base/text.hpp"
 #include "tensorbucket/channel.hpp"
 
 namespace tensorbucket {
@@ -75,9 +75,7 @@ struct detail::PublisherState {
   ipc::ControlBlock* control;
   std::vector<Slot> slots;
   std::uint32_t open_slot = 0;  // the slot claimed for the bucket being written
-  std::optional<int> device;  // the CUDA ordinal of a device channel
-  std::optional<ipc::ReleaseWaits> release_waits;  // device channels
-  ipc::DeviceStream stream = nullptr;  // of the bucket being written (device channels)
+  ipc::PayloadWriter writer;
   std::uint64_t published = 0;
   std::uint64_t updates = 0;  // updates begun: buckets with index 0 published
   // Where the last published bucket stood in its update (none before the first), and where
@@ -105,14 +103,11 @@ struct detail::PublisherState {
         options(opts),
         incarnation(incarnation_id),
         control_segment(std::move(segment)),
-        control(reinterpret_cast<ipc::ControlBlock*>(control_segment.data())) {
-    if (!options.location.on_host()) {
-      device = options.location.device;
-      release_waits.emplace(*device);
-    }
+        control(reinterpret_cast<ipc::ControlBlock*>(control_segment.data())),
+        writer(ipc::payload_device(options.location)) {
     slots.reserve(options.slots);
     for (std::uint32_t s = 0; s < options.slots; ++s) {
-      slots.push_back({ipc::SlotStorage(channel, s, options.mode, device)});
+      slots.push_back({ipc::SlotStorage(channel, s, options.mode, ipc::payload_device(options.location))});
     }
   }
 
@@ -315,15 +310,6 @@ struct detail::PublisherState {
     slots[s].frame_encoding = encoding_id;
   }
 
-  // The payload's hash: on a device, its block hash, computed there (the one check that
-  // waits for the device).
-  std::uint64_t payload_hash(const ipc::SlotStorage& storage, std::uint64_t payload_bytes) {
-    if (!storage.on_device()) return xxh3({storage.payload(), payload_bytes});
-    header.flags |= kPayloadBlockHash;
-    return ipc::device_block_hash(*device, reinterpret_cast<ipc::DeviceAddress>(storage.payload()), payload_bytes,
-                                  stream);
-  }
-
   // Writes the header and publishes the claimed slot: the bucket's bytes are in place (on a
   // device: queued on `stream`, which the ready event recorded here covers).
   // Whatever throws before the generation is published leaves the slot empty: a slot left odd
@@ -332,14 +318,14 @@ struct detail::PublisherState {
     auto s = open_slot;
     auto& slot = slots[s];
     try {
-      std::optional<ipc::DeviceScope> scope;
-      if (device) scope.emplace(*device);
+      auto scope = writer.scope();
       if (options.payload_checksum) {
-        header.flags |= kPayloadChecksum;
-        header.payload_xxh3 = payload_hash(slot.storage, payload_bytes);
+        auto hash = writer.hash({slot.storage.payload(), payload_bytes});
+        header.flags |= kPayloadChecksum | (hash.block_hash ? kPayloadBlockHash : 0);
+        header.payload_xxh3 = hash.value;
       }
       std::memcpy(slot.storage.frame().data(), &header, sizeof header);
-      slot.storage.record_ready(stream);
+      slot.storage.record_ready(writer.stream());
       refuse_if_control_damaged();
       if (slot.storage.damaged()) {
         fail(ErrorCode::SystemError, "the segment of slot ", s, " of channel ", Quoted{channel},
@@ -384,9 +370,9 @@ struct detail::PublisherState {
     ipc::futex_bump_and_wake(control->consumer_wake);
   }
 
-  // Claims the next slot, sizes its storage and writes the manifest into its frame; nullopt
-  // on timeout, else where the payload goes (a device address on a device channel, where
-  // `on` is the stream that writes it).
+  // Claims the next slot, sizes its storage, writes the manifest into its frame and readies the
+  // payload for writing (PayloadWriter::begin()); nullopt on timeout, else where the payload
+  // goes (a device address on a device channel, where `on` is the stream that writes it).
   std::optional<std::byte*> begin(std::uint64_t payload_bytes, const Manifest& manifest,
                                   std::span<const std::byte> manifest_bytes,
                                   std::uint64_t encoding_id, std::chrono::milliseconds timeout,
@@ -418,48 +404,15 @@ struct detail::PublisherState {
       slot.storage.describe(shared, control->device_slots[s], frame_bytes);
       auto* payload = slot.storage.payload();
       header = make_header(manifest_bytes, {payload, payload_bytes});  // the payload hash: finish()
-      if (device) prepare_device_payload(s, manifest, payload_bytes, encoding_id, on);
+      // The padding of one layout, once zeroed, stays zero.
+      writer.begin(*control, control_segment.descriptor(), s, options.slots, manifest.entries, {payload, payload_bytes},
+                   slot.payload_layout == encoding_id, on);
+      slot.payload_layout = encoding_id;
       return payload;
     } catch (...) {
       abandon();
       throw;
     }
-  }
-
-  // A device slot about to be written on `on`: after every consumer's release of it, and with
-  // the padding zeroed when the layout is new to it (the padding of one layout stays zero).
-  void prepare_device_payload(std::uint32_t s, const Manifest& manifest, std::uint64_t payload_bytes,
-                              std::uint64_t encoding_id, ipc::DeviceStream on) {
-    ipc::DeviceScope scope(*device);
-    stream = on;
-    release_waits->wait(*control, control_segment.descriptor(), s, options.slots, on);
-    auto& slot = slots[s];
-    if (slot.payload_layout == encoding_id) return;
-    const auto& api = ipc::device_api();
-    auto base = reinterpret_cast<ipc::DeviceAddress>(slot.storage.payload());
-    detail::for_each_gap(manifest.entries, payload_bytes, [&](std::uint64_t offset, std::uint64_t bytes) {
-      ipc::check_device(api.zero(base + offset, bytes, on), "cuMemsetD8Async");
-    });
-    slot.payload_layout = encoding_id;
-  }
-
-  // Copies every entry of `bucket` into the device payload at `to`, in one batch on `stream`.
-  void copy_to_device(const BucketBuilder& bucket, std::byte* to) {
-    const auto& entries = bucket.manifest().entries;
-    auto sources = bucket.entry_sources();
-    std::vector<ipc::DeviceCopy> copies;
-    copies.reserve(entries.size());
-    for (std::size_t i = 0; i < entries.size(); ++i) {
-      if (entries[i].byte_length == 0) continue;
-      if (sources[i] == nullptr) {
-        fail(ErrorCode::InvalidArgument, "entry ", Quoted{entries[i].name},
-             " was declared for in-place writing; write it through a reservation instead");
-      }
-      copies.push_back({reinterpret_cast<ipc::DeviceAddress>(to + entries[i].byte_offset),
-                        reinterpret_cast<ipc::DeviceAddress>(sources[i]), entries[i].byte_length});
-    }
-    ipc::DeviceScope scope(*device);
-    ipc::copy_batch(copies.data(), copies.size(), stream);
   }
 
   void remove_segments() noexcept {
@@ -565,8 +518,7 @@ Publisher Publisher::create(std::string_view channel, const PublisherOptions& op
   ipc::validate_channel_name(channel);
   validate(options);
   // Before the name is taken: CudaUnavailable or DeviceNotVisible leave nothing behind.
-  ipc::DeviceUuid device{};
-  if (!options.location.on_host()) device = ipc::device_uuid(options.location.device);
+  auto home = ipc::home_of(options.location);
   auto segment = take_name(channel, ipc::control_segment_name(channel), options.mode);
   auto* control = reinterpret_cast<ipc::ControlBlock*>(segment.data());
   control->layout_version = ipc::kControlLayoutVersion;
@@ -574,14 +526,13 @@ Publisher Publisher::create(std::string_view channel, const PublisherOptions& op
   control->max_consumers = static_cast<std::uint16_t>(options.max_consumers);
   control->min_consumers = static_cast<std::uint16_t>(options.min_consumers);
   control->payload_checksum = options.payload_checksum;
-  control->payload_home = static_cast<std::uint16_t>(options.location.on_host() ? ipc::PayloadHome::kHost
-                                                                                  : ipc::PayloadHome::kCuda);
+  control->payload_home = static_cast<std::uint16_t>(home.home);
   control->policy = static_cast<std::uint16_t>(options.policy == OverflowPolicy::Latest ? ipc::SlotPolicy::kLatest
                                                                                         : ipc::SlotPolicy::kBlock);
   control->update_buckets = static_cast<std::uint16_t>(options.update_buckets);
   auto incarnation = new_incarnation();
   control->incarnation = incarnation;
-  control->device = device;
+  control->device = home.device;
   ipc::store_label(control->producer, ipc::this_process());
   // Release: a consumer that reads the magic sees every field above.
   ipc::atomic(control->magic).store(ipc::kControlMagic, std::memory_order_release);
@@ -606,14 +557,10 @@ bool Publisher::publish(const BucketBuilder& bucket, std::chrono::milliseconds t
   auto base = state_->begin(payload_bytes, bucket.manifest(), manifest_bytes, bucket.encoding_id(), timeout, stream);
   if (!base) return false;
   try {
-    if (state_->device) {
-      state_->copy_to_device(bucket, *base);
-    } else {
-      std::uint64_t entry_bytes = 0;
-      for (const auto& entry : bucket.manifest().entries) entry_bytes += entry.byte_length;
-      auto near_end = state_->wake_near_end(entry_bytes);
-      detail::pack(bucket, {*base, payload_bytes}, &near_end);
-    }
+    std::uint64_t entry_bytes = 0;
+    for (const auto& entry : bucket.manifest().entries) entry_bytes += entry.byte_length;
+    auto near_end = state_->wake_near_end(entry_bytes);
+    state_->writer.write_bucket(bucket, {*base, payload_bytes}, near_end);
   } catch (...) {
     state_->abandon();
     throw;
@@ -631,17 +578,9 @@ std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
   std::span<std::byte> payload{*base, payload_bytes};
   // Until the Reservation exists, whatever throws (an allocation) must leave the slot empty.
   try {
-    if (state_->device) {  // the padding is zeroed already (begin())
-      state_->reservation_open = true;
-      return Reservation(state_.get(), payload_bytes, layout.entry_spans(payload), false);
-    }
-    // Zero the padding between entries, so no bytes of an older bucket travel in it. Only the
-    // padding: zeroing a whole 256 MiB payload here evicted the caches the handoff then needed.
-    detail::for_each_gap(layout.manifest().entries, payload_bytes, [&](std::uint64_t offset, std::uint64_t bytes) {
-      std::memset(payload.data() + offset, 0, bytes);
-    });
+    state_->writer.zero_padding(layout.manifest().entries, payload);
     state_->reservation_open = true;
-    return Reservation(state_.get(), payload_bytes, layout.entry_spans(payload), detail::streams(payload));
+    return Reservation(state_.get(), payload_bytes, layout.entry_spans(payload), state_->writer.streams(payload));
   } catch (...) {
     state_->reservation_open = false;
     state_->abandon();
@@ -739,15 +678,7 @@ void Reservation::write(std::size_t index, const void* data) {
   if (index >= spans_.size()) {
     fail(ErrorCode::InvalidArgument, "entry ", index, " is past the last of ", spans_.size());
   }
-  if (state_->device) {
-    ipc::DeviceCopy copy{reinterpret_cast<ipc::DeviceAddress>(spans_[index].data()),
-                         reinterpret_cast<ipc::DeviceAddress>(data), spans_[index].size()};
-    ipc::DeviceScope scope(*state_->device);
-    ipc::check_device(ipc::device_api().copy(&copy, 1, state_->stream), "cuMemcpyAsync");
-    return;
-  }
-  detail::copy_paced(spans_[index].data(), static_cast<const std::byte*>(data), spans_[index].size(), streaming_,
-                     *near_end_);
+  state_->writer.write_entry(spans_[index], data, streaming_, *near_end_);
 }
 
 void Reservation::write_all(std::span<const void* const> sources) {
@@ -756,22 +687,7 @@ void Reservation::write_all(std::span<const void* const> sources) {
   if (sources.size() != spans_.size()) {
     fail(ErrorCode::InvalidArgument, sources.size(), " sources were given for ", spans_.size(), " entries");
   }
-  if (!state_->device) {  // as pack() copies, the lines ahead asked for
-    detail::EntryCopier copier(payload(), streaming_, near_end_.get());
-    for (std::size_t i = 0; i < sources.size(); ++i) {
-      if (sources[i] != nullptr) copier.copy(spans_[i], static_cast<const std::byte*>(sources[i]));
-    }
-    return;
-  }
-  std::vector<ipc::DeviceCopy> copies;
-  copies.reserve(sources.size());
-  for (std::size_t i = 0; i < sources.size(); ++i) {
-    if (sources[i] == nullptr || spans_[i].empty()) continue;
-    copies.push_back({reinterpret_cast<ipc::DeviceAddress>(spans_[i].data()),
-                      reinterpret_cast<ipc::DeviceAddress>(sources[i]), spans_[i].size()});
-  }
-  ipc::DeviceScope scope(*state_->device);
-  ipc::copy_batch(copies.data(), copies.size(), state_->stream);
+  state_->writer.write_entries(spans_, sources, payload(), streaming_, *near_end_);
 }
 
 PayloadLocation Reservation::location() const noexcept {

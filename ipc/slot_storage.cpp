@@ -131,6 +131,16 @@ LocalExports& local_exports() {
 
 }  // namespace
 
+Home home_of(PayloadLocation location) {
+  if (location.on_host()) return {};
+  return {PayloadHome::kCuda, device_uuid(location.device)};
+}
+
+PayloadLocation location_of(const Home& home) {
+  if (home.home == PayloadHome::kHost) return PayloadLocation::host();
+  return PayloadLocation::cuda(device_ordinal(home.device));
+}
+
 SlotStorage::SlotStorage(std::string channel, std::uint32_t slot, mode_t mode, std::optional<int> device)
     : channel_(std::move(channel)), slot_(slot), mode_(mode), ordinal_(device) {}
 SlotStorage::SlotStorage(SlotStorage&&) noexcept = default;
@@ -274,9 +284,15 @@ std::uint64_t device_imports_made() { return imports_made.load(); }
 SlotReader::SlotReader(std::string channel, std::uint32_t slot, PayloadHome home, DeviceUuid device, int ordinal)
     : channel_(std::move(channel)), slot_(slot), home_(home), device_(device), ordinal_(ordinal) {}
 
-std::optional<SlotMapping> SlotReader::map(SlotControl& shared, SlotDevice& device) {
+std::optional<SlotMapping> SlotReader::map_frame(SlotControl& shared) {
   auto epoch = atomic(shared.segment_epoch).load(std::memory_order_relaxed);
   auto payload_capacity = atomic(shared.payload_capacity).load(std::memory_order_relaxed);
+  return map_frame(shared, epoch, payload_capacity);
+}
+
+// With the fields the caller read once: what it checks and uses beside the frame.
+std::optional<SlotMapping> SlotReader::map_frame(SlotControl& shared, std::uint64_t epoch,
+                                                 std::uint64_t payload_capacity) {
   auto frame_bytes = atomic(shared.frame_bytes).load(std::memory_order_relaxed);
   if (!segment_ || epoch_ != epoch || segment_->damaged()) {
     segment_.reset();
@@ -292,9 +308,17 @@ std::optional<SlotMapping> SlotReader::map(SlotControl& shared, SlotDevice& devi
     fail(ErrorCode::HeaderCorrupt, "slot ", slot_, " of channel ", Quoted{channel_}, " declares a ", frame_bytes,
          "-byte frame at byte ", offset, ", but its segment has ", size, " bytes");
   }
-  SlotMapping mapping{segment_, nullptr, segment_->bytes().subspan(offset, frame_bytes), {}, nullptr, -1};
+  return SlotMapping{segment_, nullptr, segment_->bytes().subspan(offset, frame_bytes), {}, nullptr, -1};
+}
+
+std::optional<SlotMapping> SlotReader::map(SlotControl& shared, SlotDevice& device) {
+  auto epoch = atomic(shared.segment_epoch).load(std::memory_order_relaxed);
+  auto payload_capacity = atomic(shared.payload_capacity).load(std::memory_order_relaxed);
+  auto mapping = map_frame(shared, epoch, payload_capacity);
+  if (!mapping) return std::nullopt;
   if (home_ == PayloadHome::kHost) {
-    mapping.payload = segment_->bytes().first(payload_capacity);
+    // The frame follows the payload: map_frame() checked where it starts against the segment.
+    mapping->payload = segment_->bytes().first(payload_capacity);
     return mapping;
   }
   auto fields = device;  // one copy: what is checked is what is imported
@@ -314,10 +338,10 @@ std::optional<SlotMapping> SlotReader::map(SlotControl& shared, SlotDevice& devi
     imported_handle_ = fields.memory.bytes;
   }
   // The size the driver gives for what it mapped, never one read from shared memory.
-  mapping.imported = imported_;
-  mapping.payload = {reinterpret_cast<const std::byte*>(imported_->address), imported_->bytes};
-  mapping.ready = imported_->ready;
-  mapping.device = imported_->ordinal;
+  mapping->imported = imported_;
+  mapping->payload = {reinterpret_cast<const std::byte*>(imported_->address), imported_->bytes};
+  mapping->ready = imported_->ready;
+  mapping->device = imported_->ordinal;
   return mapping;
 }
 

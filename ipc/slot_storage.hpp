@@ -36,6 +36,18 @@ constexpr std::uint64_t frame_offset(PayloadHome home, std::uint64_t payload_cap
   return home == PayloadHome::kHost ? payload_capacity : 0;
 }
 
+// How a channel's control block says where its payloads live: host shared memory, or a CUDA
+// device named by its UUID, which is looked up here (CudaUnavailable, DeviceNotVisible), before
+// the producer makes anything.
+struct Home {
+  PayloadHome home = PayloadHome::kHost;
+  DeviceUuid device{};
+};
+Home home_of(PayloadLocation location);
+// Where payloads of `home` are in this process: the host, or its ordinal of the device
+// (DeviceNotVisible when it sees none).
+PayloadLocation location_of(const Home& home);
+
 // The producer's storage of one slot. It keeps what it allocated and never reads its own
 // fields back from shared memory.
 class SlotStorage {
@@ -116,8 +128,13 @@ class SlotReader {
   // once and checked against what this process mapped (HeaderCorrupt when it does not fit).
   // nullopt when the slot's segment does not exist (the producer may be gone).
   std::optional<SlotMapping> map(SlotControl& shared, SlotDevice& device);
+  // The slot's frame alone, as map() finds it, with no payload imported: what `tbucket
+  // inspect` reads.
+  std::optional<SlotMapping> map_frame(SlotControl& shared);
 
  private:
+  std::optional<SlotMapping> map_frame(SlotControl& shared, std::uint64_t epoch, std::uint64_t payload_capacity);
+
   std::string channel_;
   std::uint32_t slot_;
   PayloadHome home_;

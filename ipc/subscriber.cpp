@@ -476,13 +476,12 @@ std::shared_ptr<detail::SubscriberState> attach_state(std::string_view channel, 
          kind == PayloadLocation::Kind::Host ? "in host memory" : "on a CUDA device", ", not ",
          *expected == PayloadLocation::Kind::Host ? "in host memory" : "on a CUDA device", " as asked");
   }
-  ipc::DeviceUuid device = control->device;  // one copy
-  auto where = payload_home == ipc::PayloadHome::kHost ? PayloadLocation::host()
-                                                       : PayloadLocation::cuda(ipc::device_ordinal(device));
+  ipc::Home where_home{payload_home, control->device};  // one copy
+  auto where = ipc::location_of(where_home);
   auto incarnation = ipc::atomic(control->incarnation).load(std::memory_order_relaxed);
   auto state = std::make_shared<detail::SubscriberState>(std::string(channel), std::move(segment), slot_count,
                                                          payload_home, static_cast<ipc::SlotPolicy>(policy),
-                                                         incarnation, options.whole_updates, where, device);
+                                                         incarnation, options.whole_updates, where, where_home.device);
   state->claim_record(max_consumers);
   TENSORBUCKET_TEST_HOOK(after_claim);
   // Claimed, with next_bucket 0, before choosing where to start: the producer cannot reuse
