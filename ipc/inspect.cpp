@@ -31,7 +31,8 @@ std::optional<Manifest> read_manifest(std::string_view channel, std::uint32_t s,
     }
     auto header = read_header(frame);
     return decode_manifest(manifest_bytes(header, frame));
-  } catch (const Error&) {  // a frame that does not fit its segment, or does not decode
+  } catch (const Error& e) {  // a frame that does not fit its segment, or does not decode
+    if (!failed_verification(e.code())) throw;  // a segment that cannot be opened says so
     return std::nullopt;
   }
 }

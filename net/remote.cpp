@@ -78,7 +78,8 @@ struct RemoteState {
     auto why = message.size() > 1 ? std::string_view(reinterpret_cast<const char*>(message.data()) + 1, message.size() - 1)
                                   : std::string_view("no reason given");
     bool wrong_token = !message.empty() && message[0] == static_cast<std::byte>(Refusal::WrongToken);
-    drop(wrong_token ? ErrorCode::Unauthorized : ErrorCode::NetworkError, "refused by ", address, ": ", why);
+    // Sent before the server proved anything: quoted, so no byte of it reaches a log raw.
+    drop(wrong_token ? ErrorCode::Unauthorized : ErrorCode::NetworkError, "refused by ", address, ": ", Quoted{why});
   }
 
   // The next message of `kind` taken whole into `into` (resized to it), waiting until `until`;

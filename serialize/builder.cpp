@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <utility>
 
 #include "tensorbucket/bucket.hpp"
 #include "copy.hpp"
@@ -115,8 +116,8 @@ void BucketBuilder::take_leftovers() {
 void BucketBuilder::stop_repeating() const {
   auto& entries = manifest_.entries;
   auto rest = entries.begin() + static_cast<std::ptrdiff_t>(last_.repeated);
-  // Neither allocates but in a moved-from builder: `spare` kept room for the last layout, and
-  // the table indexed it, no smaller.
+  // May allocate (room for the spare names): nothing has moved when that throws. The table
+  // indexed the last layout, no smaller: index_all() does not allocate.
   last_.spare.assign(std::make_move_iterator(rest), std::make_move_iterator(entries.end()));
   entries.erase(rest, entries.end());
   detail::index_all(entry_slots_, entries);
@@ -136,6 +137,31 @@ AlignedBuffer::AlignedBuffer(std::size_t size_bytes)
 
 void AlignedBuffer::Free::operator()(std::byte* p) const noexcept {
   ::operator delete[](p, std::align_val_t{kPayloadAlignment});
+}
+
+// A moved-from builder is a new one: empty, and free to take the last layout over again.
+BucketBuilder::BucketBuilder(BucketBuilder&& other) noexcept
+    : manifest_(std::exchange(other.manifest_, {})),
+      sources_(std::exchange(other.sources_, {})),
+      entry_slots_(std::exchange(other.entry_slots_, {})),
+      last_(std::exchange(other.last_, {})),
+      group_of_member_(std::exchange(other.group_of_member_, {})),
+      payload_bytes_(std::exchange(other.payload_bytes_, 0)),
+      encoded_(std::exchange(other.encoded_, {})),
+      encoding_id_(std::exchange(other.encoding_id_, 0)) {}
+
+BucketBuilder& BucketBuilder::operator=(BucketBuilder&& other) noexcept {
+  if (this != &other) {
+    manifest_ = std::exchange(other.manifest_, {});
+    sources_ = std::exchange(other.sources_, {});
+    entry_slots_ = std::exchange(other.entry_slots_, {});
+    last_ = std::exchange(other.last_, {});
+    group_of_member_ = std::exchange(other.group_of_member_, {});
+    payload_bytes_ = std::exchange(other.payload_bytes_, 0);
+    encoded_ = std::exchange(other.encoded_, {});
+    encoding_id_ = std::exchange(other.encoding_id_, 0);
+  }
+  return *this;
 }
 
 BucketBuilder& BucketBuilder::version(std::uint64_t version) {

@@ -20,8 +20,9 @@ namespace tensorbucket::detail {
 // The table itself, over entries kept elsewhere: per slot, the high 32 bits of the name's hash
 // and the entry's position + 1 in the low 32; 0 is empty. At most half full. The high bits
 // also pick the slot, so the table grows without reading or hashing a name again. Positions at
-// or past the entries' count are not found: a builder repeating the last builder's layout keeps
-// that layout's table while it moves the entries over.
+// or past the entries' count are not found. A builder repeating the last builder's layout keeps
+// that layout's table, and its entries in place, while add() repeats them; it settles (drops
+// the entries not repeated, and indexes what stays) before any lookup.
 using NameSlots = std::vector<std::uint64_t>;
 
 // The hash the table keys on; a caller that both looks a name up and indexes it hashes once.

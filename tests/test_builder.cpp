@@ -582,6 +582,23 @@ TEST(Builder, ABuilderPartWayThroughARepeatShowsOnlyItsOwnEntries) {
   {
     BucketBuilder builder;
     first_part(builder, 8);
+    // Moved part-way: the new owner goes on with the repeat, and the moved-from builder is a
+    // new one, which builds whatever it is given from scratch.
+    BucketBuilder owner = std::move(builder);
+    for (std::size_t i = 8; i < plan.size(); ++i) owner.add(plan[i].name, plan[i].dtype, plan[i].shape, bytes.data());
+    builder.add("after.the.move", DType::U8, {3}, bytes.data());
+    EXPECT_EQ(builder.manifest(), laid_out(0, {{"after.the.move", DType::U8, {3}}}));
+    EXPECT_EQ(builder.payload_bytes(), kPayloadAlignment);
+    EXPECT_EQ(owner.manifest(), laid_out(0, plan));
+    BucketBuilder assigned;
+    assigned = std::move(owner);
+    EXPECT_EQ(assigned.manifest(), laid_out(0, plan));
+    EXPECT_TRUE(owner.manifest().entries.empty());
+    EXPECT_EQ(owner.payload_bytes(), 0u);
+  }
+  {
+    BucketBuilder builder;
+    first_part(builder, 8);
   }  // destroyed part-way, never read: it leaves its own 8 entries, indexed
   build_and_check(2, head, {plan[12].name});
   build_and_check(3, plan);

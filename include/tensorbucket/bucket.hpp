@@ -94,9 +94,10 @@ class BucketBuilder {
  public:
   BucketBuilder() = default;
   BucketBuilder(const BucketBuilder&) = default;
-  BucketBuilder(BucketBuilder&&) = default;
   BucketBuilder& operator=(const BucketBuilder&) = default;
-  BucketBuilder& operator=(BucketBuilder&&) = default;
+  // A moved-from builder is empty, as a new one.
+  BucketBuilder(BucketBuilder&&) noexcept;
+  BucketBuilder& operator=(BucketBuilder&&) noexcept;
   // Leaves its storage to the next builder made on this thread: a trainer that makes a new
   // builder every step then allocates nothing per entry once it has run a step.
   ~BucketBuilder();
