@@ -24,11 +24,6 @@ std::ostream& operator<<(std::ostream& out, Dims dims) {
   return out << ']';
 }
 
-std::ostream& operator<<(std::ostream& out, DType dtype) {
-  if (is_known(dtype)) return out << dtype_name(dtype);
-  return out << "dtype #" << unsigned{static_cast<std::uint8_t>(dtype)};
-}
-
 // How many items of a kind a message names; details() has them all.
 constexpr std::size_t kItemsShown = 3;
 

@@ -1,6 +1,9 @@
 #include "tensorbucket/dtype.hpp"
 
 #include <array>
+#include <ostream>
+
+#include "base/text.hpp"
 
 namespace tensorbucket {
 namespace {
@@ -40,6 +43,12 @@ std::size_t itemsize(DType dtype) noexcept {
 
 std::string_view dtype_name(DType dtype) noexcept {
   return is_known(dtype) ? kTable[static_cast<std::size_t>(dtype)].name : "?";
+}
+
+// Declared with the message kit (base/text.hpp): the dtypes are this module's.
+std::ostream& text::operator<<(std::ostream& out, DType dtype) {
+  if (is_known(dtype)) return out << dtype_name(dtype);
+  return out << "dtype #" << unsigned{static_cast<std::uint8_t>(dtype)};
 }
 
 std::optional<DType> dtype_from_name(std::string_view name) noexcept {
