@@ -23,11 +23,6 @@
 
 namespace tensorbucket::ipc {
 
-// The CUDA ordinal that holds a channel's payloads at `location`; none on the host.
-inline std::optional<int> payload_device(PayloadLocation location) {
-  return location.on_host() ? std::nullopt : std::optional<int>(location.device);
-}
-
 class PayloadWriter {
  public:
   // `device`: the CUDA ordinal (in this process) of a device channel; none: the host.

@@ -36,6 +36,11 @@ constexpr std::uint64_t frame_offset(PayloadHome home, std::uint64_t payload_cap
   return home == PayloadHome::kHost ? payload_capacity : 0;
 }
 
+// The CUDA ordinal that holds a channel's payloads at `location`; none on the host.
+inline std::optional<int> payload_device(PayloadLocation location) {
+  return location.on_host() ? std::nullopt : std::optional<int>(location.device);
+}
+
 // How a channel's control block says where its payloads live: host shared memory, or a CUDA
 // device named by its UUID, which is looked up here (CudaUnavailable, DeviceNotVisible), before
 // the producer makes anything.

@@ -88,7 +88,7 @@ struct detail::SubscriberState {
   Clock::time_point last_liveness_check{};
   ManifestCache manifests;  // a producer resends the same layout every step
   ipc::Owner owner;
-  std::optional<ipc::OwnReleaseEvents> release_events;  // CUDA channels; given back after the record is freed
+  ipc::OwnReleaseEvents release_events;  // none on the host; given back after the record is freed
 
   // On a CUDA channel, `device` is its device, which this process numbers `where.device`.
   SubscriberState(std::string name, ipc::Segment segment, std::uint32_t slots_in_channel, ipc::PayloadHome payload_home,
@@ -103,9 +103,9 @@ struct detail::SubscriberState {
         incarnation(incarnation_id),
         whole_updates(whole),
         position(whole ? Position::Unsynced : Position::AtBoundary),
-        location(where) {
+        location(where),
+        release_events(ipc::payload_device(where), slot_count) {
     for (std::uint32_t s = 0; s < slot_count; ++s) slots.emplace_back(channel, s, home, device, where.device);
-    if (!where.on_host()) release_events.emplace(where.device, slot_count);
   }
 
   // A child forked from the consumer inherits this handle and its buckets, but the record and
@@ -118,7 +118,7 @@ struct detail::SubscriberState {
   // back to the pool.
   ~SubscriberState() {
     if (record == nullptr || forked()) return;
-    if (release_events) release_events->wait_for_releases();
+    release_events.wait_for_releases();
     auto claim = ipc::atomic(record->claim).load(std::memory_order_seq_cst);
     for (int retry = 0; retry < kClaimRetries && ipc::claim_token(claim) == token; ++retry) {
       if (ipc::atomic(record->claim).compare_exchange_weak(claim, 0, std::memory_order_seq_cst)) break;
@@ -171,7 +171,7 @@ struct detail::SubscriberState {
   // Where the event cannot be recorded (a stream of another context, say), the stream's work
   // is waited for on the host instead: the slot is given back only after it either way.
   void record_release(std::uint32_t s, CudaStream stream) noexcept {
-    if (release_events) release_events->record(s, stream);
+    release_events.record(s, stream);
   }
 
   // How many buckets the producer published, checked. Seq_cst: after our claim, the loads
@@ -361,10 +361,8 @@ struct detail::SubscriberState {
       auto& candidate = control->consumers[r];
       TENSORBUCKET_TEST_HOOK(before_claim);
       // Ours to write while we hold the lock byte; the producer reads them after our claim.
-      if (release_events) {
-        for (std::uint32_t s = 0; s < release_events->events.size(); ++s) {
-          control->release_events[r].slots[s] = release_events->events[s].handle;
-        }
+      for (std::uint32_t s = 0; s < release_events.events.size(); ++s) {
+        control->release_events[r].slots[s] = release_events.events[s].handle;
       }
       // Blocks every reuse of a slot from the claim on, until we choose where to start.
       ipc::atomic(candidate.next_bucket).store(0, std::memory_order_seq_cst);

@@ -5,7 +5,9 @@
 
 namespace tensorbucket::ipc {
 
-OwnReleaseEvents::OwnReleaseEvents(int ordinal, std::uint32_t slot_count) : device(ordinal) {
+OwnReleaseEvents::OwnReleaseEvents(std::optional<int> ordinal, std::uint32_t slot_count) {
+  if (!ordinal) return;
+  device = *ordinal;
   DeviceScope scope(device);
   try {
     for (std::uint32_t s = 0; s < slot_count; ++s) events.push_back(take_event(device));
@@ -20,6 +22,7 @@ OwnReleaseEvents::~OwnReleaseEvents() {
 }
 
 void OwnReleaseEvents::record(std::uint32_t s, DeviceStream stream) noexcept {
+  if (events.empty()) return;
   try {
     DeviceScope scope(device);
     const auto& api = device_api();
@@ -30,6 +33,7 @@ void OwnReleaseEvents::record(std::uint32_t s, DeviceStream stream) noexcept {
 }
 
 void OwnReleaseEvents::wait_for_releases() noexcept {
+  if (events.empty()) return;
   try {
     DeviceScope scope(device);
     for (const auto& event : events) device_api().synchronize_event(event.event);

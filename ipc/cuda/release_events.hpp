@@ -8,6 +8,7 @@
 #include "base/private.hpp"
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "ipc/control.hpp"
@@ -17,13 +18,15 @@
 namespace tensorbucket::ipc {
 
 // A consumer's own release events: one per slot, taken from the process's pool at attach and
-// given back at detach. Their handles go into its record's ReleaseEvents.
+// given back at detach. Their handles go into its record's ReleaseEvents. A consumer of a host
+// channel has none, and each call is then nothing.
 struct OwnReleaseEvents {
-  int device;
+  int device = -1;
   std::vector<PooledEvent> events;
   Owner owner;
 
-  OwnReleaseEvents(int ordinal, std::uint32_t slot_count);
+  // `ordinal`: the device of a CUDA channel's payloads; none on the host.
+  OwnReleaseEvents(std::optional<int> ordinal, std::uint32_t slot_count);
   OwnReleaseEvents(const OwnReleaseEvents&) = delete;
   OwnReleaseEvents& operator=(const OwnReleaseEvents&) = delete;
   ~OwnReleaseEvents();
