@@ -49,6 +49,10 @@ struct Home {
   DeviceUuid device{};
 };
 Home home_of(PayloadLocation location);
+// The kind of location of `home`'s payloads, before any device is looked up.
+inline PayloadLocation::Kind kind_of(PayloadHome home) {
+  return home == PayloadHome::kHost ? PayloadLocation::Kind::Host : PayloadLocation::Kind::Cuda;
+}
 // Where payloads of `home` are in this process: the host, or its ordinal of the device
 // (DeviceNotVisible when it sees none).
 PayloadLocation location_of(const Home& home);

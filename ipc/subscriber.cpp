@@ -467,7 +467,7 @@ std::shared_ptr<detail::SubscriberState> attach_state(std::string_view channel, 
          policy, ")");
   }
   auto payload_home = static_cast<ipc::PayloadHome>(home);
-  auto kind = payload_home == ipc::PayloadHome::kHost ? PayloadLocation::Kind::Host : PayloadLocation::Kind::Cuda;
+  auto kind = ipc::kind_of(payload_home);
   const auto& expected = options.expected_location;
   if (expected && *expected != kind) {
     fail(ErrorCode::LocationMismatch, "channel ", Quoted{channel}, " carries its payloads ",
