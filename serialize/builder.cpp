@@ -140,15 +140,7 @@ void AlignedBuffer::Free::operator()(std::byte* p) const noexcept {
 }
 
 // A moved-from builder is a new one: empty, and free to take the last layout over again.
-BucketBuilder::BucketBuilder(BucketBuilder&& other) noexcept
-    : manifest_(std::exchange(other.manifest_, {})),
-      sources_(std::exchange(other.sources_, {})),
-      entry_slots_(std::exchange(other.entry_slots_, {})),
-      last_(std::exchange(other.last_, {})),
-      group_of_member_(std::exchange(other.group_of_member_, {})),
-      payload_bytes_(std::exchange(other.payload_bytes_, 0)),
-      encoded_(std::exchange(other.encoded_, {})),
-      encoding_id_(std::exchange(other.encoding_id_, 0)) {}
+BucketBuilder::BucketBuilder(BucketBuilder&& other) noexcept { *this = std::move(other); }
 
 BucketBuilder& BucketBuilder::operator=(BucketBuilder&& other) noexcept {
   if (this != &other) {
