@@ -373,7 +373,7 @@ void StagedTensors::clear() noexcept {
 }
 
 bool publish_in_place(Publisher& publisher, const BucketBuilder& layout, const StagedTensors& staged,
-                      std::chrono::milliseconds timeout, CudaStream stream) {
+                      const Deadline& deadline, CudaStream stream) {
   const auto& entries = layout.manifest().entries;
   if (staged.size() != entries.size()) {
     fail(ErrorCode::ManifestMismatch, "layout has ", entries.size(), " entries but ", staged.size(),
@@ -385,7 +385,7 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout, const S
            staged.lengths_[i], " bytes where the layout has ", entries[i].byte_length, ": staged against another layout");
     }
   }
-  auto reservation = publisher.reserve(layout, timeout, stream);
+  auto reservation = publisher.reserve(layout, deadline, stream);
   if (!reservation) return false;
   auto where = publisher.location();
   reservation->write_all(staged.bytes_);
@@ -403,7 +403,7 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout, const S
 }
 
 bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
-                      std::span<const at::Tensor> tensors, std::chrono::milliseconds timeout, CudaStream stream) {
+                      std::span<const at::Tensor> tensors, const Deadline& deadline, CudaStream stream) {
   auto where = publisher.location();
   const auto& entries = layout.manifest().entries;
   if (tensors.size() != entries.size()) {
@@ -421,18 +421,18 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
            "): build a new one with layout_of()");
     }
   }
-  return publish_in_place(publisher, layout, staged, timeout, stream);
+  return publish_in_place(publisher, layout, staged, deadline, stream);
 }
 
 bool publish_in_place(Publisher& publisher, const NamedTensors& tensors,
-                      std::chrono::milliseconds timeout, std::uint64_t version,
+                      const Deadline& deadline, std::uint64_t version,
                       std::uint32_t bucket_index, std::uint32_t bucket_count,
                       const std::vector<ManifestGroup>& groups, CudaStream stream) {
   auto layout = layout_of(tensors, version, bucket_index, bucket_count, groups, publisher.location());
   std::vector<at::Tensor> in_order;
   in_order.reserve(tensors.size());
   for (const auto& named : tensors) in_order.push_back(named.second);
-  return publish_in_place(publisher, layout, in_order, timeout, stream);
+  return publish_in_place(publisher, layout, in_order, deadline, stream);
 }
 
 NamedTensors tensors(std::shared_ptr<const ReceivedBucket> bucket) {

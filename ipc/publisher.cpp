@@ -213,7 +213,7 @@ struct detail::PublisherState {
   // Makes the slot for the next bucket ours (its generation odd), waiting until one is free:
   // under `block` slot published % slots once its bucket is releasable, under `latest` the
   // slot of the oldest bucket that no live consumer leases. False at the deadline.
-  bool claim(Clock::time_point deadline) {
+  bool claim(const Deadline& deadline) {
     for (;;) {
       refuse_if_control_damaged();
       auto wake = ipc::wake_count(control->producer_wake);
@@ -222,12 +222,11 @@ struct detail::PublisherState {
         return true;
       }
       auto now = Clock::now();
-      if (now >= deadline) {
+      if (deadline.passed(now) || deadline.interrupted(now)) {
         word_blocker();
         return false;
       }
-      ipc::futex_wait(control->producer_wake, wake,
-                      std::min<Clock::duration>(deadline - now, kWaitSlice));
+      ipc::futex_wait(control->producer_wake, wake, deadline.next_sleep(kWaitSlice, now));
     }
   }
 
@@ -371,11 +370,11 @@ struct detail::PublisherState {
   }
 
   // Claims the next slot, sizes its storage, writes the manifest into its frame and readies the
-  // payload for writing (PayloadWriter::begin()); nullopt on timeout, else where the payload
+  // payload for writing (PayloadWriter::begin()); nullopt at the deadline, else where the payload
   // goes (a device address on a device channel, where `on` is the stream that writes it).
   std::optional<std::byte*> begin(std::uint64_t payload_bytes, const Manifest& manifest,
                                   std::span<const std::byte> manifest_bytes,
-                                  std::uint64_t encoding_id, std::chrono::milliseconds timeout,
+                                  std::uint64_t encoding_id, const Deadline& deadline,
                                   ipc::DeviceStream on) {
     if (closed) fail(ErrorCode::InvalidArgument, "channel ", Quoted{channel}, " is closed");
     refuse_if_forked();
@@ -385,7 +384,7 @@ struct detail::PublisherState {
     }
     auto start_ns = monotonic_ns();
     open_place = place_of(manifest);
-    if (!claim(ipc::deadline_after(timeout))) return std::nullopt;
+    if (!claim(deadline)) return std::nullopt;
     auto s = open_slot;
     // Consumers asleep waiting for this bucket wake now, and spin while it is written: their
     // wake-up overlaps the writing (see kWriteSpin in subscriber.cpp).
@@ -551,10 +550,10 @@ Publisher& Publisher::operator=(Publisher&& other) noexcept {
 }
 Publisher::~Publisher() { close(); }
 
-bool Publisher::publish(const BucketBuilder& bucket, std::chrono::milliseconds timeout, CudaStream stream) {
+bool Publisher::publish(const BucketBuilder& bucket, const Deadline& deadline, CudaStream stream) {
   auto manifest_bytes = bucket.encoded_manifest();  // refuses incomplete groups before any claim
   auto payload_bytes = bucket.payload_bytes();
-  auto base = state_->begin(payload_bytes, bucket.manifest(), manifest_bytes, bucket.encoding_id(), timeout, stream);
+  auto base = state_->begin(payload_bytes, bucket.manifest(), manifest_bytes, bucket.encoding_id(), deadline, stream);
   if (!base) return false;
   try {
     std::uint64_t entry_bytes = 0;
@@ -570,10 +569,10 @@ bool Publisher::publish(const BucketBuilder& bucket, std::chrono::milliseconds t
 }
 
 std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
-                                              std::chrono::milliseconds timeout, CudaStream stream) {
+                                              const Deadline& deadline, CudaStream stream) {
   auto manifest_bytes = layout.encoded_manifest();
   auto payload_bytes = layout.payload_bytes();
-  auto base = state_->begin(payload_bytes, layout.manifest(), manifest_bytes, layout.encoding_id(), timeout, stream);
+  auto base = state_->begin(payload_bytes, layout.manifest(), manifest_bytes, layout.encoding_id(), deadline, stream);
   if (!base) return std::nullopt;
   std::span<std::byte> payload{*base, payload_bytes};
   // Until the Reservation exists, whatever throws (an allocation) must leave the slot empty.
@@ -588,9 +587,8 @@ std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
   }
 }
 
-bool Publisher::drain(std::chrono::milliseconds timeout) {
+bool Publisher::drain(const Deadline& deadline) {
   state_->refuse_if_forked();
-  auto deadline = ipc::deadline_after(timeout);
   auto& state = *state_;
   for (;;) {
     state.refuse_if_control_damaged();
@@ -611,12 +609,11 @@ bool Publisher::drain(std::chrono::milliseconds timeout) {
       return true;
     }
     auto now = Clock::now();
-    if (now >= deadline) {
+    if (deadline.passed(now) || deadline.interrupted(now)) {
       state.word_blocker();
       return false;
     }
-    ipc::futex_wait(state.control->producer_wake, wake,
-                    std::min<Clock::duration>(deadline - now, kWaitSlice));
+    ipc::futex_wait(state.control->producer_wake, wake, deadline.next_sleep(kWaitSlice, now));
   }
 }
 

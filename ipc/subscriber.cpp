@@ -29,6 +29,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr auto kWaitSlice = std::chrono::milliseconds(10);
+// attach() polls for a control block, which has no word to wait on before it exists.
+constexpr auto kAttachPoll = std::chrono::milliseconds(2);
 // Spinning this long before sleeping keeps the handoff in microseconds when the producer is
 // about to publish, at the price of that much CPU per empty wait.
 constexpr auto kSpin = std::chrono::microseconds(50);
@@ -409,10 +411,9 @@ namespace {
 
 // The channel's control segment, once a live producer made it: a dead producer's leftovers are
 // removed (unless someone else is at it) and waited past, as is a channel being closed.
-// ChannelMissing at the deadline.
-ipc::Segment open_live_channel(std::string_view channel, std::chrono::milliseconds timeout) {
+// ChannelMissing at the deadline, or once it is interrupted.
+ipc::Segment open_live_channel(std::string_view channel, const Deadline& deadline) {
   auto name = ipc::control_segment_name(channel);
-  auto deadline = ipc::deadline_after(timeout);
   std::string last_seen;  // why the last look found no channel, for the error
   for (;;) {
     std::optional<ipc::Segment> segment;
@@ -439,18 +440,22 @@ ipc::Segment open_live_channel(std::string_view channel, std::chrono::millisecon
         }
       }
     }
-    if (Clock::now() >= deadline) {
-      fail(ErrorCode::ChannelMissing, "channel ", Quoted{channel}, " had no live producer within ", timeout.count(),
-           " ms", last_seen);
+    auto now = Clock::now();
+    if (deadline.passed(now)) {
+      fail(ErrorCode::ChannelMissing, "channel ", Quoted{channel}, " had no live producer within ", deadline.limit(),
+           last_seen);
     }
-    // Nothing to wait on before the control block exists: poll.
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    if (deadline.interrupted(now)) {
+      fail(ErrorCode::ChannelMissing, "channel ", Quoted{channel}, " had no live producer when its wait was interrupted",
+           last_seen);
+    }
+    std::this_thread::sleep_for(deadline.next_sleep(kAttachPoll, now));
   }
 }
 
-std::shared_ptr<detail::SubscriberState> attach_state(std::string_view channel, std::chrono::milliseconds timeout,
+std::shared_ptr<detail::SubscriberState> attach_state(std::string_view channel, const Deadline& deadline,
                                                       const SubscribeOptions& options) {
-  auto segment = open_live_channel(channel, timeout);
+  auto segment = open_live_channel(channel, deadline);
   auto* control = reinterpret_cast<ipc::ControlBlock*>(segment.data());
   // Read once: what we check is what we use.
   auto layout_version = ipc::atomic(control->layout_version).load(std::memory_order_relaxed);
@@ -493,18 +498,11 @@ std::shared_ptr<detail::SubscriberState> attach_state(std::string_view channel, 
   return state;
 }
 
-// What is left of a wait until `deadline` (none: without limit), for a call that takes a timeout.
-std::chrono::milliseconds time_left(Clock::time_point deadline) {
-  if (deadline == Clock::time_point::max()) return std::chrono::milliseconds::max();
-  return std::max(std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()), std::chrono::milliseconds(0));
-}
-
 }  // namespace
 
-Subscriber Subscriber::attach(std::string_view channel, std::chrono::milliseconds timeout,
-                              const SubscribeOptions& options) {
+Subscriber Subscriber::attach(std::string_view channel, const Deadline& deadline, const SubscribeOptions& options) {
   ipc::validate_channel_name(channel);
-  return Subscriber(attach_state(channel, timeout, options), options);
+  return Subscriber(attach_state(channel, deadline, options), options);
 }
 
 Subscriber::Subscriber(std::shared_ptr<detail::SubscriberState> state, const SubscribeOptions& options)
@@ -518,13 +516,12 @@ std::optional<ReceivedBucket> Subscriber::try_next(const VerifyOptions& options)
 }
 
 std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::SubscriberState>& owner,
-                                                  std::chrono::milliseconds timeout, const VerifyOptions& options,
+                                                  const Deadline& deadline, const VerifyOptions& options,
                                                   CudaStream stream) {
   using Position = detail::SubscriberState::Position;
   auto& state = *owner;
   auto* control = state.control;
   auto start = Clock::now();
-  auto deadline = ipc::deadline_after(timeout);
   constexpr auto kNotWriting = Clock::time_point::max();
   auto writing_since = kNotWriting;  // since we saw a slot being written, after the last wake
   auto last_wake = ipc::wake_count(control->consumer_wake);
@@ -562,12 +559,12 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
         // A producer probing the slot (odd) backs off for our lease within microseconds: wait
         // for that, or the bucket would look overwritten below. One that claimed it is writing
         // the slot: not worth spinning for.
-        auto probe_end = std::min(deadline, Clock::now() + kSpin);
+        auto probe_end = std::min(deadline.at(), Clock::now() + kSpin);
         while (ipc::atomic(generation).load(std::memory_order_acquire) == now_generation &&
                ipc::being_written(now_generation) && Clock::now() < probe_end) {
           ipc::cpu_relax();
         }
-        if (Clock::now() >= deadline) return std::nullopt;
+        if (deadline.passed()) return std::nullopt;
         continue;
       }
       // Built in place: a Lease releases its slot when destroyed, temporaries included.
@@ -603,7 +600,7 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
              " was truncated by another process while bucket ", bucket, " was read");
       }
       if (position == Position::Unsynced && view.bucket_index() != 0) {  // released on the way
-        if (Clock::now() >= deadline) return std::nullopt;
+        if (deadline.passed()) return std::nullopt;
         continue;
       }
       mapping.make_ready(view, options.check_payload_checksum, stream, bucket);
@@ -617,7 +614,7 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
       // Published, and no slot holds it any more: overwritten before we came (a joiner, or
       // any consumer under `latest`). On to what is still held.
       state.skip_lost(bucket, published);
-      if (Clock::now() >= deadline) return std::nullopt;
+      if (deadline.passed()) return std::nullopt;
       continue;
     }
     // Not published yet (or the producer is probing the slot and will back off for us).
@@ -628,24 +625,23 @@ std::optional<ReceivedBucket> Subscriber::receive(const std::shared_ptr<detail::
     }
     if (writing && writing_since == kNotWriting) writing_since = now;
     bool spin = now - start < kSpin || (writing_since != kNotWriting && now - writing_since < kWriteSpin);
-    if (spin && now < deadline) {
+    if (spin && !deadline.passed(now)) {
       ipc::cpu_relax();
       continue;
     }
     if (!state.record_is_ours()) state.fail_record_taken();
     if (state.producer_gone(now)) {
-      if (state.slot_holding(bucket) && now < deadline) continue;
+      if (state.slot_holding(bucket) && !deadline.passed(now)) continue;
       fail(ErrorCode::ProducerGone, "producer of channel ", Quoted{state.channel},
            " is gone; every published bucket was received");
     }
-    if (now >= deadline) return std::nullopt;
-    ipc::futex_wait(control->consumer_wake, wake,
-                    std::min<Clock::duration>(deadline - now, kWaitSlice));
+    if (deadline.passed(now) || deadline.interrupted(now)) return std::nullopt;
+    ipc::futex_wait(control->consumer_wake, wake, deadline.next_sleep(kWaitSlice, now));
   }
 }
 
-std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout,
-                                               const VerifyOptions& options, CudaStream stream) {
+std::optional<ReceivedBucket> Subscriber::next(const Deadline& deadline, const VerifyOptions& options,
+                                               CudaStream stream) {
   auto& state = *state_;
   if (state.forked()) {
     fail(ErrorCode::InvalidArgument, "this consumer of channel ", Quoted{state.channel},
@@ -653,35 +649,33 @@ std::optional<ReceivedBucket> Subscriber::next(std::chrono::milliseconds timeout
          " was forked from it and must attach on its own");
   }
   if (producer_gone_ && options_.follow_restarts) {
-    // The next producer of the channel, within this call's timeout; nothing arrived when none came.
-    auto deadline = ipc::deadline_after(timeout);
+    // The next producer of the channel, before this call's deadline; nothing arrived when none came.
     try {
-      state_ = attach_state(state.channel, timeout, options_);
+      state_ = attach_state(state.channel, deadline, options_);
     } catch (const Error& e) {
       if (e.code() != ErrorCode::ChannelMissing) throw;
       return std::nullopt;
     }
     producer_gone_ = false;
     pending_.clear();
-    return next(time_left(deadline), options, stream);
+    return next(deadline, options, stream);
   }
   try {
-    return receive(state_, timeout, options, stream);
+    return receive(state_, deadline, options, stream);
   } catch (const Error& e) {
     if (e.code() == ErrorCode::ProducerGone) producer_gone_ = true;
     throw;
   }
 }
 
-std::optional<ReceivedUpdate> Subscriber::next_update(std::chrono::milliseconds timeout, const VerifyOptions& options,
+std::optional<ReceivedUpdate> Subscriber::next_update(const Deadline& deadline, const VerifyOptions& options,
                                                       CudaStream stream) {
-  auto deadline = ipc::deadline_after(timeout);
   VerifyOptions each = options;
   each.expected = nullptr;  // a bucket is part of the model: checked against it as a whole below
   for (;;) {
     std::optional<ReceivedBucket> bucket;
     try {
-      bucket = next(time_left(deadline), each, stream);
+      bucket = next(deadline, each, stream);
     } catch (const Error&) {
       pending_.clear();  // a bucket of it failed, or the producer is gone: it cannot be completed
       throw;
@@ -705,13 +699,13 @@ std::optional<ReceivedUpdate> Subscriber::next_update(std::chrono::milliseconds 
                      last->view().bucket_index() + 1 == view.bucket_index();
       if (!follows) {  // the rest of an update we cannot have whole
         pending_.clear();
-        if (Clock::now() >= deadline) return std::nullopt;
+        if (deadline.passed()) return std::nullopt;
         continue;
       }
     }
     pending_.push_back(std::move(*bucket));
     if (pending_.size() < pending_.front().view().bucket_count()) {
-      if (Clock::now() >= deadline) return std::nullopt;
+      if (deadline.passed()) return std::nullopt;
       continue;
     }
     ReceivedUpdate update(std::exchange(pending_, {}));

@@ -19,9 +19,6 @@ using Clock = std::chrono::steady_clock;
 using text::message;
 using text::Quoted;
 
-// The longest a wait runs before it asks `interrupted` again.
-constexpr auto kSlice = 50ms;
-
 // Payloads from this size on are received straight into a local slot (the in-place path);
 // smaller ones into a buffer, then copied, which keeps one builder for a layout sent again.
 constexpr std::uint64_t kReceiveInPlaceFrom = 4ull << 20;
@@ -36,9 +33,8 @@ class Republisher {
   // Where a remote payload goes: a reserved local slot when it is large, the local channel is on
   // the host, and the frame lays its entries out as a local layout would; else nowhere (the
   // remote subscriber's buffer). The frame was not verified yet: a bad one only makes this say
-  // nowhere, and next() then rejects it. `wait` retries a reservation until it gives up.
-  template <class Wait>
-  std::span<std::byte> place(std::uint64_t payload_bytes, std::span<const std::byte> frame, Wait&& wait) {
+  // nowhere, and next() then rejects it. A reservation waits until `deadline`.
+  std::span<std::byte> place(std::uint64_t payload_bytes, std::span<const std::byte> frame, const Deadline& deadline) {
     reservation_.reset();
     if (payload_bytes < kReceiveInPlaceFrom || !publisher_.location().on_host()) return {};
     try {
@@ -55,10 +51,7 @@ class Republisher {
       // Exactly: the frame is not verified yet, and a slot grows to what its layout needs, so
       // a frame that declared more would take shared memory past max_bucket_bytes.
       if (layout.payload_bytes() != payload_bytes) return {};
-      wait([&](std::chrono::milliseconds slice) {
-        if (auto reserved = publisher_.reserve(layout, slice)) reservation_.emplace(std::move(*reserved));
-        return reservation_.has_value();
-      });
+      if (auto reserved = publisher_.reserve(layout, deadline)) reservation_.emplace(std::move(*reserved));
     } catch (const Error&) {
       return {};
     }
@@ -66,9 +59,8 @@ class Republisher {
   }
 
   // Publishes `view`: commits the slot place() gave, when the view is in it; false when no
-  // local slot came free while `wait` tried.
-  template <class Wait>
-  bool publish(const BucketView& view, Wait&& wait) {
+  // local slot came free before `deadline`.
+  bool publish(const BucketView& view, const Deadline& deadline) {
     if (reservation_ && !view.payload().empty() && view.payload().data() == reservation_->payload().data()) {
       reservation_->commit();
       reservation_.reset();
@@ -85,7 +77,7 @@ class Republisher {
       layout_ = view;  // keeps the verified layout alive, so its address names it
     }
     builder_.version(view.version()).bucket(view.bucket_index(), view.bucket_count());
-    return wait([&](std::chrono::milliseconds slice) { return publisher_.publish(builder_, slice); });
+    return publisher_.publish(builder_, deadline);
   }
 
   void abandon() { reservation_.reset(); }
@@ -137,15 +129,16 @@ struct RelayState {
     backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
   }
 
-  // Retries `attempt(slice)` for up to `timeout`, unless interrupted.
-  template <class Attempt>
-  bool within(std::chrono::milliseconds timeout, Attempt&& attempt) {
-    auto until = Clock::now() + std::min(timeout, std::chrono::milliseconds(std::chrono::hours(24 * 365)));
-    for (;;) {
-      auto left = std::chrono::ceil<std::chrono::milliseconds>(until - Clock::now());
-      if (attempt(std::clamp(left, 0ms, std::chrono::milliseconds(kSlice)))) return true;
-      if (interrupted() || Clock::now() >= until) return false;
-    }
+  // A local wait for a slot: options.timeout from now, unless interrupted.
+  Deadline local_wait() const {
+    return Deadline::after(options.timeout).unless([this] { return interrupted(); });
+  }
+
+  // `deadline`, ending also when options.interrupted says so.
+  Deadline or_interrupted(const Deadline& deadline) const {
+    auto either = deadline;
+    either.unless([this, &deadline] { return interrupted() || deadline.interrupted(); });
+    return either;
   }
 
   // Connects; false (logged, a retry set) when the link cannot be made now. Throws what trying
@@ -190,10 +183,10 @@ struct RelayState {
     }
   }
 
-  // One bucket from the link and republished, waiting up to `slice`; false when none came.
-  bool relay_one(std::chrono::milliseconds slice) {
-    auto bucket = remote->next(slice, {}, [&](std::uint64_t payload_bytes, std::span<const std::byte> frame) {
-      return republisher.place(payload_bytes, frame, [&](auto attempt) { return within(options.timeout, attempt); });
+  // One bucket from the link and republished, waiting until `until`; false when none came.
+  bool relay_one(const Deadline& until) {
+    auto bucket = remote->next(until, {}, [&](std::uint64_t payload_bytes, std::span<const std::byte> frame) {
+      return republisher.place(payload_bytes, frame, local_wait());
     });
     if (!bucket) return false;
     const auto& view = bucket->view();
@@ -204,7 +197,7 @@ struct RelayState {
     }
     bool published = false;
     try {
-      published = republisher.publish(view, [&](auto attempt) { return within(options.timeout, attempt); });
+      published = republisher.publish(view, local_wait());
     } catch (const Error& e) {
       // The server sent a bucket out of its update's order: nothing was published.
       if (e.code() != ErrorCode::InvalidArgument) throw;
@@ -251,24 +244,23 @@ Relay::Relay(Relay&&) noexcept = default;
 Relay& Relay::operator=(Relay&&) noexcept = default;
 Relay::~Relay() = default;
 
-std::uint64_t Relay::relay_for(std::chrono::milliseconds duration, std::uint64_t buckets) {
+std::uint64_t Relay::relay_for(const Deadline& until, std::uint64_t buckets) {
   if (!state_) throw Error(ErrorCode::InvalidArgument, "relay_for() on a closed Relay");
   auto& state = *state_;
-  auto until = detail::Clock::now() + std::min(duration, std::chrono::milliseconds(std::chrono::hours(24 * 365)));
+  auto waiting = state.or_interrupted(until);
   std::uint64_t relayed = 0;
-  while ((buckets == 0 || relayed < buckets) && !state.interrupted()) {
+  while ((buckets == 0 || relayed < buckets) && !state.interrupted()) {  // asked at once: before a connect
     auto now = detail::Clock::now();
-    if (now >= until) break;
-    auto slice = std::min(std::chrono::ceil<std::chrono::milliseconds>(until - now), std::chrono::milliseconds(detail::kSlice));
+    if (waiting.passed(now) || waiting.interrupted(now)) break;
     if (!state.remote) {
       if (now < state.next_try) {
-        std::this_thread::sleep_for(std::min(slice, std::chrono::ceil<std::chrono::milliseconds>(state.next_try - now)));
+        std::this_thread::sleep_for(waiting.next_sleep(state.next_try - now, now));
         continue;
       }
       if (!state.connect()) continue;
     }
     try {
-      relayed += state.relay_one(slice) ? 1 : 0;
+      relayed += state.relay_one(waiting) ? 1 : 0;
     } catch (const Error& e) {
       state.fail(e);
     }
@@ -276,10 +268,9 @@ std::uint64_t Relay::relay_for(std::chrono::milliseconds duration, std::uint64_t
   return relayed;
 }
 
-bool Relay::drain(std::chrono::milliseconds timeout) {
+bool Relay::drain(const Deadline& deadline) {
   if (!state_) return true;
-  auto& publisher = state_->republisher.publisher();
-  return state_->within(timeout, [&](std::chrono::milliseconds slice) { return publisher.drain(slice); });
+  return state_->republisher.publisher().drain(state_->or_interrupted(deadline));
 }
 
 void Relay::disconnect() noexcept {

@@ -319,9 +319,9 @@ struct RemoteState {
     return inbox->span().first(length);
   }
 
-  // The next Bucket message, taken whole into the inbox by `until` (heartbeats and finished
-  // acknowledgements cleared on the way); empty at `until`.
-  std::span<std::byte> take_announce(Clock::time_point until) {
+  // The next Bucket message, taken whole into the inbox before `deadline` (heartbeats and
+  // finished acknowledgements cleared on the way); empty at `deadline` or once interrupted.
+  std::span<std::byte> take_announce(const Deadline& deadline) {
     // A payload that comes whole is one chunk at most, and within max_bucket_bytes before any
     // memory is taken for it.
     const std::size_t max_message =
@@ -334,12 +334,12 @@ struct RemoteState {
         lost("an acknowledgement: ", e.what());
       }
       skip_heartbeats();
-      if (take(Kind::Bucket, max_message, std::min(until, Clock::now() + 50ms),
+      if (take(Kind::Bucket, max_message, std::min(deadline.at(), Clock::now() + 50ms),
                [&](std::size_t length) { return received = inbox_room(length); })) {
         return received;
       }
       silent_too_long();
-      if (Clock::now() >= until) return {};
+      if (deadline.passed() || deadline.interrupted()) return {};
     }
   }
 
@@ -457,9 +457,9 @@ struct RemoteState {
     }
   }
 
-  std::optional<RemoteBucket> next(Clock::time_point until, const VerifyOptions& verify, const PayloadPlace& place) {
+  std::optional<RemoteBucket> next(const Deadline& deadline, const VerifyOptions& verify, const PayloadPlace& place) {
     if (broken) text::fail(ErrorCode::NetworkError, "link to ", address, " is closed: connect again");
-    auto received = take_announce(until);
+    auto received = take_announce(deadline);
     if (received.empty()) return std::nullopt;
     auto announce = read_announce(received);
     auto frame = std::span<const std::byte>(received).subspan(sizeof announce, announce.frame_bytes);
@@ -485,12 +485,12 @@ struct RemoteState {
 }  // namespace detail
 
 RemoteSubscriber RemoteSubscriber::connect(std::string_view address, const ConnectOptions& options,
-                                           std::chrono::milliseconds timeout) {
+                                           const Deadline& deadline) {
   if (options.token.empty()) throw Error(ErrorCode::InvalidArgument, "connect needs a token (read_token_file)");
   if (options.idle_timeout.count() <= 0 || options.idle_timeout > kLongestTimeout) {  // now() + it would wrap
     throw Error(ErrorCode::InvalidArgument, "connect's idle_timeout must be above 0 and at most 10^9 s");
   }
-  timeout = std::min(timeout, std::chrono::milliseconds(std::chrono::hours(24)));
+  auto timeout = std::min(deadline.left(), std::chrono::milliseconds(std::chrono::hours(24)));
   auto until = detail::Clock::now() + timeout;
   auto where = detail::parse_address(address, false, timeout);
   auto state = std::make_unique<detail::RemoteState>(address, options, where);
@@ -503,11 +503,10 @@ RemoteSubscriber::RemoteSubscriber(RemoteSubscriber&&) noexcept = default;
 RemoteSubscriber& RemoteSubscriber::operator=(RemoteSubscriber&&) noexcept = default;
 RemoteSubscriber::~RemoteSubscriber() = default;
 
-std::optional<RemoteBucket> RemoteSubscriber::next(std::chrono::milliseconds timeout, const VerifyOptions& options,
+std::optional<RemoteBucket> RemoteSubscriber::next(const Deadline& deadline, const VerifyOptions& options,
                                                    const PayloadPlace& place) {
   if (!state_) throw Error(ErrorCode::InvalidArgument, "next() on a moved-from RemoteSubscriber");
-  auto limit = std::min(timeout, std::chrono::milliseconds(std::chrono::hours(24 * 365)));
-  return state_->next(detail::Clock::now() + limit, options, place);
+  return state_->next(deadline, options, place);
 }
 
 const std::string& RemoteSubscriber::address() const noexcept { return state_->address; }

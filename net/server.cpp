@@ -649,7 +649,7 @@ struct ServerState {
 
 }  // namespace detail
 
-Server Server::start(std::string_view channel, const ServeOptions& options, std::chrono::milliseconds attach_timeout) {
+Server Server::start(std::string_view channel, const ServeOptions& options, const Deadline& attach_deadline) {
   if (options.token.empty()) throw Error(ErrorCode::InvalidArgument, "serve needs a token (read_token_file)");
   if (options.window == 0 || options.max_peers == 0 || options.peer_timeout.count() <= 0) {
     throw Error(ErrorCode::InvalidArgument, "serve needs window, max_peers and peer_timeout above 0");
@@ -662,7 +662,7 @@ Server Server::start(std::string_view channel, const ServeOptions& options, std:
   }
   auto address = detail::parse_address(options.listen, true);
   auto front_door = detail::listen_on(address);  // before the channel is waited for: a bad address fails at once
-  auto subscriber = Subscriber::attach(channel, attach_timeout, {.follow_restarts = true});
+  auto subscriber = Subscriber::attach(channel, attach_deadline, {.follow_restarts = true});
   return Server(std::make_unique<detail::ServerState>(std::move(subscriber), options, address, std::move(front_door)));
 }
 
@@ -671,14 +671,13 @@ Server::Server(Server&&) noexcept = default;
 Server& Server::operator=(Server&&) noexcept = default;
 Server::~Server() { close(); }
 
-void Server::serve_for(std::chrono::milliseconds duration) {
+void Server::serve_for(const Deadline& until) {
   if (!state_) throw Error(ErrorCode::InvalidArgument, "serve_for() on a closed server");
   if (state_->pid != ::getpid()) {
     text::fail(ErrorCode::InvalidArgument, "the server of ", state_->address, " belongs to process ", state_->pid,
                "; process ", ::getpid(), " was forked from it and cannot serve");
   }
-  auto until = detail::Clock::now() + duration;
-  while (detail::Clock::now() < until) {
+  for (auto now = detail::Clock::now(); !until.passed(now) && !until.interrupted(now); now = detail::Clock::now()) {
     try {
       state_->turn();
     } catch (const Error& e) {

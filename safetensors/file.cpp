@@ -204,19 +204,9 @@ std::string json_string(std::string_view name) {
   }
 }
 
-// A slot for `layout`, waiting at most options.timeout, in slices between which
-// options.interrupted is asked.
+// A slot for `layout`, waiting at most options.timeout unless options.interrupted.
 std::optional<Reservation> reserve(Publisher& publisher, const BucketBuilder& layout, const PublishFileOptions& options) {
-  using namespace std::chrono;
-  constexpr auto kSlice = milliseconds(50);
-  auto start = steady_clock::now();
-  for (;;) {
-    auto spent = duration_cast<milliseconds>(steady_clock::now() - start);
-    auto slice = options.interrupted ? std::clamp(options.timeout - spent, milliseconds(0), kSlice)
-                                     : std::max(options.timeout - spent, milliseconds(0));
-    if (auto reservation = publisher.reserve(layout, slice)) return reservation;
-    if (spent + slice >= options.timeout || (options.interrupted && options.interrupted())) return std::nullopt;
-  }
+  return publisher.reserve(layout, Deadline::after(options.timeout).unless(options.interrupted));
 }
 
 }  // namespace

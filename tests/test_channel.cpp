@@ -15,6 +15,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -109,6 +110,74 @@ TEST_F(Channel, LongestTimeoutWaitsWithoutLimit) {
   ASSERT_TRUE(bucket.has_value());
   bucket->release();
   EXPECT_TRUE(publisher.drain(forever));
+}
+
+TEST(Deadline, SaysWhenAWaitEndsAndHowMessagesNameIt) {
+  EXPECT_TRUE(Deadline(0ms).passed());
+  EXPECT_TRUE(Deadline(-5ms).passed());
+  EXPECT_TRUE(Deadline::after(std::chrono::duration<double>(std::nan(""))).passed());
+  EXPECT_FALSE(Deadline(1h).passed());
+  EXPECT_FALSE(Deadline(1h).never_ends());
+  EXPECT_TRUE(Deadline(std::chrono::milliseconds::max()).never_ends());
+  EXPECT_TRUE(Deadline(Deadline::kForever).never_ends());
+  EXPECT_TRUE(Deadline::never().never_ends());
+  EXPECT_EQ(Deadline::never().left(), std::chrono::milliseconds::max());
+  EXPECT_EQ(Deadline(20ms).limit(), "20 ms");
+  EXPECT_EQ(Deadline(1500us).limit(), "2 ms");  // rounded up, as the wait is
+  EXPECT_EQ(Deadline::never().limit(), "no limit");
+  EXPECT_EQ(Deadline(20ms).described_as("0.02 s").limit(), "0.02 s");
+  auto now = Deadline::Clock::now();
+  auto deadline = Deadline(1h);
+  EXPECT_LE(deadline.next_sleep(10ms, now), 10ms);
+  EXPECT_GE(deadline.left(now), 3599s);
+}
+
+TEST(Deadline, AsksInterruptedOnlyOnceKAskEveryPassed) {
+  int asked = 0;
+  auto deadline = Deadline::never().unless([&] {
+    ++asked;
+    return true;
+  });
+  auto made = Deadline::Clock::now();
+  EXPECT_FALSE(deadline.interrupted(made));  // too soon: a wait that ends now never asks
+  EXPECT_EQ(asked, 0);
+  EXPECT_LE(deadline.next_sleep(1h, made), Deadline::kAskEvery);  // the sleep ends when it is due
+  EXPECT_TRUE(deadline.interrupted(made + Deadline::kAskEvery));
+  EXPECT_FALSE(deadline.interrupted(made + Deadline::kAskEvery + 1ms));  // asked just now
+  EXPECT_TRUE(deadline.interrupted(made + 2 * Deadline::kAskEvery));
+  EXPECT_EQ(asked, 2);
+}
+
+// Every wait ends once its deadline is interrupted, as at its timeout, with nothing done; a
+// wait that does not sleep never asks.
+TEST_F(Channel, InterruptedDeadlineEndsEveryWait) {
+  Workload workload{.tensors = 2, .tensor_bytes = 64};
+  int asked = 0;
+  auto interrupted = [&] {
+    ++asked;
+    return true;
+  };
+  auto interruptible = [&] { return Deadline(60s).unless(interrupted); };
+  auto start = Deadline::Clock::now();
+  auto message = expect_error(ErrorCode::ChannelMissing, [&] { Subscriber::attach(channel, interruptible()); });
+  EXPECT_NE(message.find("interrupted"), std::string::npos) << message;
+
+  auto publisher = Publisher::create(channel, {.slots = 1});
+  auto subscriber = Subscriber::attach(channel, 1s);
+  EXPECT_FALSE(subscriber.next(interruptible()).has_value());
+  EXPECT_EQ(asked, 2);
+  ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, interruptible()));  // a free slot: no wait
+  EXPECT_EQ(asked, 2);
+  EXPECT_FALSE(publisher.publish(cli::make_bucket(workload, 1).builder, interruptible()));
+  EXPECT_FALSE(publisher.reserve(cli::make_layout(workload, 1), interruptible()).has_value());
+  EXPECT_FALSE(publisher.drain(interruptible()));
+  EXPECT_EQ(asked, 5);
+  EXPECT_EQ(publisher.published(), 1u);
+  EXPECT_LT(Deadline::Clock::now() - start, 30s);  // none waited for its 60 s
+  auto bucket = subscriber.next(interruptible());
+  ASSERT_TRUE(bucket.has_value());
+  EXPECT_EQ(bucket->view().version(), 0u);
+  EXPECT_EQ(asked, 5);
 }
 
 TEST_F(Channel, LateConsumerStartsFromOldestHeldBucket) {

@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "base/text.hpp"
@@ -173,43 +174,35 @@ inline int not_drained(const Publisher& publisher, std::uint64_t timeout_ms) {
                    timeout_ms, " ms; waiting for ", publisher.waiting_for());
 }
 
-// Longest single wait, so a stop signal is noticed promptly.
-constexpr auto kWaitSlice = std::chrono::milliseconds(50);
+// An option's milliseconds as a timeout: from ~32 years (UINT64_MAX included), no limit.
+inline std::chrono::milliseconds as_timeout(std::uint64_t timeout_ms) {
+  return std::chrono::milliseconds(std::min<std::uint64_t>(timeout_ms, std::chrono::milliseconds::max().count()));
+}
 
-// Retries `attempt(slice)` until it succeeds, `timeout_ms` passes, or a stop signal arrives.
-// Counts the time spent against the timeout rather than computing a deadline, which
-// now() + 2^64 - 1 ms would overflow into the past.
-template <class Attempt>
-bool with_deadline(std::uint64_t timeout_ms, Attempt&& attempt) {
-  using namespace std::chrono;
-  auto limit = milliseconds(std::min<std::uint64_t>(timeout_ms, milliseconds::max().count()));
-  auto start = steady_clock::now();
-  auto spent = [&] { return duration_cast<milliseconds>(steady_clock::now() - start); };
-  for (;;) {
-    if (attempt(std::clamp(limit - spent(), milliseconds(0), kWaitSlice))) return true;
-    if (stop_signal() != 0 || spent() >= limit) return false;
+// A wait of `timeout_ms` (UINT64_MAX, the default: no limit) that a stop signal interrupts.
+inline Deadline until_stopped(std::uint64_t timeout_ms = UINT64_MAX) {
+  return Deadline::after(as_timeout(timeout_ms)).unless([] { return stop_signal() != 0; });
+}
+
+// Sleeps `interval_ms`, or until a stop signal.
+inline void pause(std::uint64_t interval_ms) {
+  auto deadline = until_stopped(interval_ms);
+  for (auto now = Deadline::Clock::now(); !deadline.passed(now) && !deadline.interrupted(now);
+       now = Deadline::Clock::now()) {
+    std::this_thread::sleep_for(deadline.next_sleep(Deadline::kAskEvery, now));
   }
 }
 
-// What attach(slice) returns once `channel` has a live producer, tried again while it throws
-// ChannelMissing; nothing when a stop signal came first; ChannelMissing naming the channel
-// when `timeout_ms` passed first.
+// What attach() returns; nothing when a stop signal interrupted its wait for a producer
+// (ChannelMissing then).
 template <class Attach>
-auto when_produced(const std::string& channel, std::uint64_t timeout_ms, Attach&& attach) {
-  std::optional<decltype(attach(kWaitSlice))> attached;
-  with_deadline(timeout_ms, [&](auto slice) {
-    try {
-      attached.emplace(attach(slice));
-    } catch (const Error& e) {
-      if (e.code() != ErrorCode::ChannelMissing) throw;  // not there yet
-    }
-    return attached.has_value();
-  });
-  if (!attached && stop_signal() == 0) {
-    text::fail(ErrorCode::ChannelMissing, "channel ", text::Quoted{channel}, " had no live producer within ",
-               timeout_ms, " ms");
+auto unless_stopped(Attach&& attach) -> std::optional<decltype(attach())> {
+  try {
+    return attach();
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::ChannelMissing || stop_signal() == 0) throw;
+    return std::nullopt;
   }
-  return attached;
 }
 
 }  // namespace tensorbucket::cli

@@ -70,23 +70,21 @@ int run_consume(const ConsumeOptions& options) {
   install_stop_handlers();
   SubscribeOptions subscribe{.whole_updates = options.updates, .follow_restarts = options.follow};
   if (!options.device.empty()) subscribe.expected_location = PayloadLocation::parse(options.device).kind;
-  auto subscriber = when_produced(options.channel, options.timeout_ms,
-                                  [&](auto slice) { return Subscriber::attach(options.channel, slice, subscribe); });
+  auto subscriber =
+      unless_stopped([&] { return Subscriber::attach(options.channel, until_stopped(options.timeout_ms), subscribe); });
   if (stop_signal() != 0) return stopped("channel left");  // else attached
   // Lines printed to a terminal show the progress themselves.
   Progress progress("consume", !options.quiet && ::isatty(STDOUT_FILENO) == 0);
   for (std::uint64_t received = 0; options.buckets == 0 || received < options.buckets; ++received) {
     Line line;
     try {
-      with_deadline(options.timeout_ms, [&](auto slice) {
-        if (options.updates) {
-          auto update = subscriber->next_update(slice);
-          for (const auto& bucket : update ? update->buckets() : std::span<const ReceivedBucket>{}) add(line, bucket, options);
-        } else if (auto bucket = subscriber->next(slice)) {
-          add(line, *bucket, options);
-        }
-        return line.buckets > 0;
-      });
+      auto deadline = until_stopped(options.timeout_ms);
+      if (options.updates) {
+        auto update = subscriber->next_update(deadline);
+        for (const auto& bucket : update ? update->buckets() : std::span<const ReceivedBucket>{}) add(line, bucket, options);
+      } else if (auto bucket = subscriber->next(deadline)) {
+        add(line, *bucket, options);
+      }
     } catch (const Error& e) {
       progress.finish();
       if (e.code() != ErrorCode::ProducerGone) throw;

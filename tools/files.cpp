@@ -45,7 +45,7 @@ int run_publish_file(const PublishFileOptions& options) {
       publisher, options.files,
       {.version = options.version,
        .bucket_bytes = options.bucket_bytes,
-       .timeout = std::chrono::milliseconds(std::min<std::uint64_t>(options.timeout_ms, INT64_MAX / 1000000)),
+       .timeout = as_timeout(options.timeout_ms),
        .interrupted = [] { return stop_signal() != 0; }});
   if (stop_signal() != 0) return stopped();
   auto seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -59,7 +59,7 @@ int run_publish_file(const PublishFileOptions& options) {
               "%.0f MiB/s\n", published.buckets, static_cast<unsigned long long>(published.version),
               options.files.size(), mib(bytes), options.channel.c_str(), seconds, mib(bytes) / seconds);
   std::fflush(stdout);
-  bool drained = with_deadline(options.timeout_ms, [&](auto slice) { return publisher.drain(slice); });
+  bool drained = publisher.drain(until_stopped(options.timeout_ms));
   if (stop_signal() != 0) return stopped();
   if (!drained) return not_drained(publisher, options.timeout_ms);
   return kOk;
@@ -68,20 +68,20 @@ int run_publish_file(const PublishFileOptions& options) {
 int run_save(const SaveOptions& options) {
   install_stop_handlers();
   // Following the channel's producers: publish-file publishes one update and leaves.
-  auto subscriber = when_produced(options.channel, options.timeout_ms, [&](auto slice) {
-    return Subscriber::attach(options.channel, slice, {.whole_updates = true, .follow_restarts = true});
+  auto subscriber = unless_stopped([&] {
+    return Subscriber::attach(options.channel, until_stopped(options.timeout_ms),
+                              {.whole_updates = true, .follow_restarts = true});
   });
   std::map<std::uint64_t, std::uint64_t> seen;  // updates saved, by version
   for (std::uint64_t saved = 0; saved < options.updates && stop_signal() == 0; ++saved) {
     std::optional<ReceivedUpdate> update;
-    with_deadline(options.timeout_ms, [&](auto slice) {
+    for (auto deadline = until_stopped(options.timeout_ms); !update && !deadline.passed() && stop_signal() == 0;) {
       try {
-        update = subscriber->next_update(slice);
+        update = subscriber->next_update(deadline);
       } catch (const Error& e) {
         if (e.code() != ErrorCode::ProducerGone) throw;  // the next producer's updates come next
       }
-      return update.has_value();
-    });
+    }
     if (stop_signal() != 0) break;
     if (!update) {
       return timed_out("no whole update arrived on ", text::Quoted{options.channel}, " within ", options.timeout_ms, " ms");

@@ -215,10 +215,7 @@ int watch(const InspectOptions& options) {
     }
     before = std::move(info);
     last = now;
-    with_deadline(options.interval_ms, [](auto slice) {
-      std::this_thread::sleep_for(slice);
-      return false;
-    });
+    pause(options.interval_ms);
     if (stop_signal() != 0) return kOk;
   }
 }

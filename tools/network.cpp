@@ -16,12 +16,11 @@ int run_serve(const ServeCommandOptions& options) {
                           .token = net::read_token_file(options.token_file),
                           .peer_timeout = std::chrono::milliseconds(options.peer_timeout_ms),
                           .max_peers = options.max_peers};
-  auto server = when_produced(options.channel, options.timeout_ms,
-                              [&](auto slice) { return net::Server::start(options.channel, serve, slice); });
+  auto server = unless_stopped([&] { return net::Server::start(options.channel, serve, until_stopped(options.timeout_ms)); });
   if (stop_signal() != 0) return stopped("served nothing");  // else started
   std::fprintf(stderr, "tbucket serve: channel %s on %s\n", text::message(text::Quoted{options.channel}).c_str(),
                server->address().c_str());
-  while (stop_signal() == 0) server->serve_for(kWaitSlice);
+  server->serve_for(until_stopped());
   auto served = server->buckets_served();
   server->close();
   std::fprintf(stderr, "tbucket serve: served %llu buckets\n", static_cast<unsigned long long>(served));
@@ -30,8 +29,7 @@ int run_serve(const ServeCommandOptions& options) {
 
 int run_relay(const RelayOptions& options) {
   install_stop_handlers();
-  auto timeout = std::chrono::milliseconds(
-      std::min<std::uint64_t>(options.timeout_ms, static_cast<std::uint64_t>(net::kLongestTimeout.count())));
+  auto timeout = as_timeout(options.timeout_ms);
   net::RelayOptions relay_options{
       .connect = options.connect,
       .remote = {.token = net::read_token_file(options.token_file),
@@ -47,11 +45,7 @@ int run_relay(const RelayOptions& options) {
           },
       .interrupted = [] { return stop_signal() != 0; }};
   auto relay = net::Relay::create(relay_options);
-  while (stop_signal() == 0) {
-    auto left = options.buckets == 0 ? 0 : options.buckets - relay.stats().buckets;
-    relay.relay_for(std::chrono::hours(1), left);
-    if (options.buckets != 0 && relay.stats().buckets >= options.buckets) break;
-  }
+  relay.relay_for(Deadline::never(), options.buckets);  // until a stop signal (relay_options.interrupted)
   relay.disconnect();  // the server frees this relay's place while the local consumers finish
   if (stop_signal() != 0) return stopped("local channel closed");
   bool drained = relay.drain(timeout);

@@ -59,11 +59,8 @@ int run_produce(const ProduceOptions& options) {
     bool published = false;
     if (in_place) {
       auto layout = make_layout(workload, i);
-      std::optional<Reservation> reservation;
-      published = with_deadline(options.timeout_ms, [&](auto slice) {
-        if (auto reserved = publisher.reserve(layout, slice)) reservation.emplace(std::move(*reserved));
-        return reservation.has_value();
-      });
+      auto reservation = publisher.reserve(layout, until_stopped(options.timeout_ms));
+      published = reservation.has_value();
       if (published) {
         for (std::uint32_t t = 0; t < workload.tensors; ++t) {
           if (on_device) {
@@ -83,8 +80,7 @@ int run_produce(const ProduceOptions& options) {
       } else {
         bucket.emplace(make_bucket(workload, i));
       }
-      published = with_deadline(options.timeout_ms,
-                                [&](auto slice) { return publisher.publish(bucket->builder, slice); });
+      published = publisher.publish(bucket->builder, until_stopped(options.timeout_ms));
       bytes += bucket->builder.payload_bytes();
     }
     progress.add(published ? 1 : 0, bytes - bytes_before);
@@ -94,14 +90,9 @@ int run_produce(const ProduceOptions& options) {
       return timed_out("no slot of channel ", text::Quoted{options.channel}, " came free within ", options.timeout_ms,
                        " ms (bucket ", i, "); waiting for ", publisher.waiting_for());
     }
-    if (options.interval_ms != 0) {
-      with_deadline(options.interval_ms, [](auto slice) {
-        std::this_thread::sleep_for(slice);
-        return false;
-      });
-    }
+    if (options.interval_ms != 0) pause(options.interval_ms);
   }
-  bool drained = with_deadline(options.timeout_ms, [&](auto slice) { return publisher.drain(slice); });
+  bool drained = publisher.drain(until_stopped(options.timeout_ms));
   progress.finish();
   if (stop_signal() != 0) return stopped("channel closed");
   if (!drained) return not_drained(publisher, options.timeout_ms);

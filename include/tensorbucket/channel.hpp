@@ -30,8 +30,9 @@
 // - Segments are created O_EXCL with `mode` (0600 by default), opened only when owned by our
 //   uid, and removed by close(); a dead producer's segments are removed by the next producer
 //   of the same channel name, while a live producer's channel gives ChannelExists.
-// - Timeouts bound every wait: zero (or less) looks once, milliseconds::max() waits without
-//   limit.
+// - A Deadline bounds every wait (deadline.hpp): a timeout converts to one; zero (or less)
+//   looks once, milliseconds::max() or Deadline::never() waits without limit, and an
+//   interrupted predicate ends a wait early, as its timeout would.
 //
 // - On a CUDA channel only the frames travel through shared memory: each slot's payload is a
 //   device allocation exported once, imported once by each consumer process, and ordered by
@@ -57,6 +58,7 @@
 #include <vector>
 
 #include "tensorbucket/bucket.hpp"
+#include "tensorbucket/deadline.hpp"
 
 namespace tensorbucket {
 namespace detail {
@@ -127,24 +129,24 @@ class Publisher {
   Publisher& operator=(Publisher&&) noexcept;
   ~Publisher();  // close()
 
-  // Copies `bucket` into the next slot and publishes it. False when no slot came free within
-  // `timeout`; then nothing was published. InvalidArgument, before anything is claimed, for a
-  // bucket out of its update's order: bucket_index 0 begins an update (abandoning one left
-  // unfinished), any other must follow the one before it, same version and count. On a CUDA channel the entries' addresses may be
-  // device or host memory; they are copied in one batch on `stream`, after the work queued
+  // Copies `bucket` into the next slot and publishes it. False when no slot came free before
+  // `deadline` (or it was interrupted); then nothing was published. InvalidArgument, before
+  // anything is claimed, for a bucket out of its update's order: bucket_index 0 begins an
+  // update (abandoning one left unfinished), any other must follow the one before it, same
+  // version and count. On a CUDA channel the entries' addresses may be device or host memory; they are copied in one batch on `stream`, after the work queued
   // on it before (so the caller's writes to them), and must stay valid until that is done.
-  bool publish(const BucketBuilder& bucket, std::chrono::milliseconds timeout, CudaStream stream = nullptr);
+  bool publish(const BucketBuilder& bucket, const Deadline& deadline, CudaStream stream = nullptr);
 
   // The in-place path: the next slot laid out like `layout` (its declare()d entries), for the
-  // caller to write through Reservation::entry_spans() and publish with commit(). nullopt on
-  // timeout. Publish nothing else while a reservation is open. On a CUDA channel the spans
+  // caller to write through Reservation::entry_spans() and publish with commit(). nullopt at
+  // the deadline. Publish nothing else while a reservation is open. On a CUDA channel the spans
   // are device memory, to be written on `stream` (or before it, in stream order).
-  std::optional<Reservation> reserve(const BucketBuilder& layout, std::chrono::milliseconds timeout,
+  std::optional<Reservation> reserve(const BucketBuilder& layout, const Deadline& deadline,
                                      CudaStream stream = nullptr);
 
   // Waits until every live consumer released every published bucket (and min_consumers did).
-  // False on timeout.
-  bool drain(std::chrono::milliseconds timeout);
+  // False at the deadline.
+  bool drain(const Deadline& deadline);
 
   // What the last publish(), reserve() or drain() that timed out waited for, in words: the
   // consumers that held the slot (record, pid, bucket), or the releases min_consumers asks
@@ -295,20 +297,20 @@ struct SubscribeOptions {
   // A consumer that attaches while an update is under way skips the rest of it and starts at
   // the next update's first bucket; false takes every bucket still held (for tools).
   bool whole_updates = true;
-  // After ProducerGone, the next call waits (within its timeout) for the channel's next
+  // After ProducerGone, the next call waits (until its deadline) for the channel's next
   // producer and goes on from its first update held.
   bool follow_restarts = false;
 };
 
 class Subscriber {
  public:
-  // Attaches to the channel's live producer, waiting up to `timeout` for one: a dead
+  // Attaches to the channel's live producer, waiting until `deadline` for one: a dead
   // producer's leftovers are removed (when nobody else does) and never attached to.
-  // ChannelMissing when none came, PermissionDenied when it is not ours, ChannelFull when
+  // ChannelMissing when none came (or the wait was interrupted), PermissionDenied when it is not ours, ChannelFull when
   // every consumer record is taken, LocationMismatch (options.expected_location). A CUDA
   // channel needs CUDA in this process: CudaUnavailable otherwise, and DeviceNotVisible when
   // its device is not among ours.
-  static Subscriber attach(std::string_view channel, std::chrono::milliseconds timeout,
+  static Subscriber attach(std::string_view channel, const Deadline& deadline,
                            const SubscribeOptions& options = {});
 
   Subscriber(Subscriber&&) noexcept;
@@ -316,24 +318,24 @@ class Subscriber {
   ~Subscriber();  // detaches once every ReceivedBucket from it is gone
 
   // The next bucket in order, verified (docs/format.md rules 1-6); nullopt when none arrived
-  // within `timeout`. Throws ProducerGone once the producer is gone and everything published
+  // before `deadline`. Throws ProducerGone once the producer is gone and everything published
   // was received, and the verification errors for a bad bucket (which is then skipped); Torn
   // also when another process truncated the slot's segment under it. SystemError when
   // another process took this consumer's record or truncated the control segment: the
   // subscriber is then unusable and must attach again.
   // On a CUDA channel the views are device memory, ready for work queued on `stream`.
-  std::optional<ReceivedBucket> next(std::chrono::milliseconds timeout,
-                                     const VerifyOptions& options = {}, CudaStream stream = nullptr);
+  std::optional<ReceivedBucket> next(const Deadline& deadline, const VerifyOptions& options = {},
+                                     CudaStream stream = nullptr);
   std::optional<ReceivedBucket> try_next(const VerifyOptions& options = {});
 
   // The next complete update, all of its buckets leased; nullopt when none was complete
-  // within `timeout` (the buckets taken so far are kept for the next call). Buckets of an
+  // before `deadline` (the buckets taken so far are kept for the next call). Buckets of an
   // update that cannot be completed (one of them was skipped or failed verification, or the
   // producer began another) are dropped. options.expected is the whole model: each bucket
   // must be part of it, and the update all of it. InvalidArgument for an update of more
   // buckets than the channel has slots: it cannot be held at once (take it with next()).
   // Hold one update at a time: a `Latest` producer counts on it.
-  std::optional<ReceivedUpdate> next_update(std::chrono::milliseconds timeout, const VerifyOptions& options = {},
+  std::optional<ReceivedUpdate> next_update(const Deadline& deadline, const VerifyOptions& options = {},
                                             CudaStream stream = nullptr);
 
   const std::string& channel() const noexcept;
@@ -347,7 +349,7 @@ class Subscriber {
   Subscriber(std::shared_ptr<detail::SubscriberState> state, const SubscribeOptions& options);
   // next() within one producer's incarnation.
   static std::optional<ReceivedBucket> receive(const std::shared_ptr<detail::SubscriberState>& state,
-                                               std::chrono::milliseconds timeout, const VerifyOptions& options,
+                                               const Deadline& deadline, const VerifyOptions& options,
                                                CudaStream stream);
   std::shared_ptr<detail::SubscriberState> state_;
   SubscribeOptions options_;

@@ -67,24 +67,25 @@ struct ServeOptions {
 
 class Server {
  public:
-  // Attaches to `channel` as a consumer (waiting up to `attach_timeout`, errors as
+  // Attaches to `channel` as a consumer (waiting until `attach_deadline`, errors as
   // Subscriber::attach; it follows the channel across producer restarts) and listens.
   // InvalidArgument for a bad address or option; NetworkError when the address cannot be
   // bound (not this host's, or the port is taken).
   static Server start(std::string_view channel, const ServeOptions& options,
-                      std::chrono::milliseconds attach_timeout);
+                      const Deadline& attach_deadline);
 
   Server(Server&&) noexcept;
   Server& operator=(Server&&) noexcept;
   ~Server();  // close()
 
-  // Serves for `duration`: admits and authenticates peers, sends every new bucket to the peers
+  // Serves until `until` (a duration: for that long; interrupted: once asked, within
+  // Deadline::kAskEvery): admits and authenticates peers, sends every new bucket to the peers
   // in the game, drops the slow and the dead. Problems with one peer are logged (stderr) and
   // drop that peer only; so is a local bucket that fails its checks, which is skipped. Other
   // errors of the local channel are thrown as Subscriber::next() throws them, but for
   // ProducerGone (the server waits for the channel's next producer). InvalidArgument in a
   // child forked from the serving process: the server stays the parent's.
-  void serve_for(std::chrono::milliseconds duration);
+  void serve_for(const Deadline& until);
 
   std::string address() const;       // what it listens on, the port resolved
   std::uint32_t peers() const noexcept;        // authenticated peers now
@@ -131,24 +132,24 @@ using PayloadPlace = std::function<std::span<std::byte>(std::uint64_t payload_by
 
 class RemoteSubscriber {
  public:
-  // Connects to a Server at "HOST:PORT" and authenticates both ways within `timeout`.
-  // NetworkError when it cannot be reached, Unauthorized when either side's token proof fails.
-  static RemoteSubscriber connect(std::string_view address, const ConnectOptions& options,
-                                  std::chrono::milliseconds timeout);
+  // Connects to a Server at "HOST:PORT" and authenticates both ways before `deadline` (24 h
+  // at most; not interrupted). NetworkError when it cannot be reached, Unauthorized when either
+  // side's token proof fails.
+  static RemoteSubscriber connect(std::string_view address, const ConnectOptions& options, const Deadline& deadline);
 
   RemoteSubscriber(RemoteSubscriber&&) noexcept;
   RemoteSubscriber& operator=(RemoteSubscriber&&) noexcept;
   ~RemoteSubscriber();
 
-  // The next bucket, verified (rules 1-6 and the payload hash); nullopt when none came within
-  // `timeout`. Verification errors throw and drop the link: a server that sends a bad bucket is
-  // not trusted further. NetworkError when the link is lost; connect again to go on. A bucket
-  // begun is received whole, which may take longer than `timeout` (idle_timeout bounds it).
+  // The next bucket, verified (rules 1-6 and the payload hash); nullopt when none came before
+  // `deadline`. Verification errors throw and drop the link: a server that sends a bad bucket
+  // is not trusted further. NetworkError when the link is lost; connect again to go on. A bucket
+  // begun is received whole, which may go past `deadline` (idle_timeout bounds it).
   // With `place`, the payload lands where it says; the bucket's view then points there, and
   // when next() throws, what it wrote there is not a verified bucket. next() waits up to 1 s
   // for the receives under way to end before it throws; only once the RemoteSubscriber is
   // destroyed is it certain that nothing writes there any more.
-  std::optional<RemoteBucket> next(std::chrono::milliseconds timeout, const VerifyOptions& options = {},
+  std::optional<RemoteBucket> next(const Deadline& deadline, const VerifyOptions& options = {},
                                    const PayloadPlace& place = {});
 
   const std::string& address() const noexcept;
@@ -171,9 +172,10 @@ struct RelayOptions {
   // link went down. `important` lines are for a quiet log too: a reason the first time it comes
   // since buckets last flowed, and every refusal.
   std::function<void(const std::string& line, bool important)> log;
-  // Asked between slices of the waits for the link's next bucket, for a local slot and between
-  // tries (50 ms at most): true ends relay_for() or drain() early. A connect (5 s at most) and
-  // a bucket already begun run to their end first.
+  // Asked while waiting for the link's next bucket, for a local slot and between tries (every
+  // Deadline::kAskEvery): true ends relay_for() or drain() early, as their own deadline's
+  // interruption does. A connect (5 s at most) and a bucket already begun run to their end
+  // first.
   std::function<bool()> interrupted;
 };
 
@@ -198,14 +200,14 @@ class Relay {
   Relay& operator=(Relay&&) noexcept;
   ~Relay();  // close()
 
-  // Relays for `duration`, until `buckets` more were republished (0: no limit), or until
-  // interrupted; returns how many it republished. Throws what trying again cannot mend:
+  // Relays until `until` (a duration: for that long), until `buckets` more were republished
+  // (0: no limit), or until interrupted; returns how many it republished. Throws what trying again cannot mend:
   // Unauthorized while no server has let it in yet (a wrong token: once served, a refusal is
   // retried, as an impostor on the port may answer), ChannelMissing (the server serves another
   // channel), InvalidArgument; before the first connection, every error but NetworkError.
-  std::uint64_t relay_for(std::chrono::milliseconds duration, std::uint64_t buckets = 0);
-  // Until the local consumers released every bucket; false at `timeout` or when interrupted.
-  bool drain(std::chrono::milliseconds timeout);
+  std::uint64_t relay_for(const Deadline& until, std::uint64_t buckets = 0);
+  // Until the local consumers released every bucket; false at `deadline` or when interrupted.
+  bool drain(const Deadline& deadline);
 
   // Drops the link, so that the server frees its place; the next relay_for() connects again and
   // resumes at the next whole update.

@@ -61,8 +61,8 @@ struct PublishFileOptions {
   // buckets whose payloads hold at most this many bytes (a larger tensor gets one of its own).
   std::uint64_t bucket_bytes = 0;
   std::chrono::milliseconds timeout{10000};  // each bucket's wait for a free slot
-  // Asked between short slices of a wait for a slot: true stops publishing (a signal came), as
-  // a timeout does.
+  // Asked while waiting for a slot (Deadline::unless) and between the pieces of a long read:
+  // true stops publishing (a signal came), as a timeout does.
   std::function<bool()> interrupted{};
 };
 

@@ -4,6 +4,7 @@
 
 #include "tensorbucket/bucket.hpp"
 #include "tensorbucket/channel.hpp"
+#include "tensorbucket/deadline.hpp"
 #include "tensorbucket/dtype.hpp"
 #include "tensorbucket/error.hpp"
 #include "tensorbucket/header.hpp"

@@ -52,11 +52,11 @@ TorchBucket make_bucket(const NamedTensors& tensors, std::uint64_t version = 0,
                         const std::vector<ManifestGroup>& groups = {}, PayloadLocation where = {});
 
 // The in-place path: reserves a slot laid out for `tensors`, copies each straight into shared
-// memory, and commits. False when no slot came free within `timeout` (nothing published).
+// memory, and commits. False when no slot came free before `deadline` (nothing published).
 // Stamped as publish() is: the bucket's publish_start_ns is when the slot was reserved, so
 // its latency includes the copy.
 bool publish_in_place(Publisher& publisher, const NamedTensors& tensors,
-                      std::chrono::milliseconds timeout, std::uint64_t version = 0,
+                      const Deadline& deadline, std::uint64_t version = 0,
                       std::uint32_t bucket_index = 0, std::uint32_t bucket_count = 1,
                       const std::vector<ManifestGroup>& groups = {}, CudaStream stream = nullptr);
 
@@ -69,7 +69,7 @@ BucketBuilder layout_of(const NamedTensors& tensors, std::uint64_t version = 0,
                         std::uint32_t bucket_index = 0, std::uint32_t bucket_count = 1,
                         const std::vector<ManifestGroup>& groups = {}, PayloadLocation where = {});
 bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
-                      std::span<const at::Tensor> tensors, std::chrono::milliseconds timeout,
+                      std::span<const at::Tensor> tensors, const Deadline& deadline,
                       CudaStream stream = nullptr);
 // A kept layout's tensors, checked and held for the copy: the two halves of the call above for
 // a caller that holds its tensors by borrowed references under a lock it gives up while
@@ -90,7 +90,7 @@ class StagedTensors {
   std::size_t size() const noexcept { return bytes_.size(); }
 
  private:
-  friend bool publish_in_place(Publisher&, const BucketBuilder&, const StagedTensors&, std::chrono::milliseconds,
+  friend bool publish_in_place(Publisher&, const BucketBuilder&, const StagedTensors&, const Deadline&,
                                CudaStream);
   std::vector<const void*> bytes_;     // each tensor's row-major bytes; null: copied by value
   std::vector<std::uint64_t> lengths_;  // each entry's byte_length, checked against the layout
@@ -101,7 +101,7 @@ class StagedTensors {
 // ManifestMismatch, before anything is reserved, when their count or an entry's byte length
 // differs (staged against another layout). Moves no tensor's reference count.
 bool publish_in_place(Publisher& publisher, const BucketBuilder& layout, const StagedTensors& staged,
-                      std::chrono::milliseconds timeout, CudaStream stream = nullptr);
+                      const Deadline& deadline, CudaStream stream = nullptr);
 // Whether `tensor` can travel as `entry` of a kept layout: same dtype and shape, on `where`,
 // and nothing layout_of() would refuse. Cheap enough to ask of every tensor on every step.
 bool fits(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation where = {}) noexcept;

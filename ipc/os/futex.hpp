@@ -32,15 +32,6 @@ void futex_wait(WaitWord& word, std::uint32_t expected, std::chrono::nanoseconds
 // Bumps word.value and wakes every thread waiting on it.
 void futex_bump_and_wake(WaitWord& word);
 
-// When a wait of `timeout` from now ends. Saturates instead of overflowing, so that
-// milliseconds::max() waits without limit; a negative timeout is already over.
-inline std::chrono::steady_clock::time_point deadline_after(std::chrono::milliseconds timeout) {
-  using Clock = std::chrono::steady_clock;
-  auto now = Clock::now();
-  auto room = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::time_point::max() - now);
-  return timeout >= room ? Clock::time_point::max() : now + timeout;
-}
-
 // One turn of a spin loop: tells the core we are waiting, which frees its sibling
 // hyper-thread and saves power.
 inline void cpu_relax() noexcept {

@@ -53,12 +53,12 @@ class PyPublisher {
   void publish(const py::handle& tensors, std::uint64_t version, std::uint32_t bucket_index,
                std::uint32_t bucket_count, const py::handle& groups,
                std::optional<double> timeout) {
-    auto deadline = deadline_in(timeout);
-    auto turn = take_turn(turn_, deadline);
+    PyWait wait(timeout);
+    auto turn = take_turn(turn_, wait);
     if (!turn) throw turn_taken();
     auto group_list = to_groups(groups);
     if (kept_ && kept_->groups == group_list && stage_kept(tensors)) {
-      return publish_staged(version, bucket_index, bucket_count, deadline);
+      return publish_staged(version, bucket_index, bucket_count, wait);
     }
     staged_.clear();
     {  // the copies of the tensors go before the copy runs without the GIL: staged_ holds them
@@ -81,34 +81,30 @@ class PyPublisher {
         throw;
       }
     }
-    publish_staged(version, bucket_index, bucket_count, deadline);
+    publish_staged(version, bucket_index, bucket_count, wait);
   }
 
   // Publishes safetensors files as one update (safetensors::publish_files), without the GIL;
-  // Ctrl+C stops it between the wait slices, leaving the update unfinished. The buckets.
+  // Ctrl+C stops it while it waits or between the pieces it reads, leaving the update
+  // unfinished. The buckets.
   std::uint32_t publish_file(const std::vector<std::string>& paths, std::optional<std::uint64_t> version,
                              std::uint64_t bucket_bytes, std::optional<double> timeout) {
-    auto deadline = deadline_in(timeout);
-    auto turn = take_turn(turn_, deadline);
+    PyWait wait(timeout);
+    auto turn = take_turn(turn_, wait);
     if (!turn) throw turn_taken();
     stop_if_closing("; nothing was published");
-    auto wait = deadline ? std::chrono::ceil<std::chrono::milliseconds>(std::max(*deadline - Clock::now(), Clock::duration(0)))
-                         : std::chrono::milliseconds(std::chrono::hours(24 * 365 * 100));
-    bool signalled = false;
     struct Count {  // published(), however this ends (a file that fails to read after some buckets)
       PyPublisher& self;
       ~Count() { self.published_ = self.publisher_.published(); }
     } count{*this};
-    auto result = OutsideGil::run([&] {
-      return safetensors::publish_files(publisher_, paths, {.version = version, .bucket_bytes = bucket_bytes, .timeout = wait,
-                                                            .interrupted = [&] {
-                                                              if (OutsideGil::exiting_now()) return true;
-                                                              py::gil_scoped_acquire gil;
-                                                              signalled = PyErr_CheckSignals() != 0;
-                                                              return signalled || turn_.closing.load();
-                                                            }});
-    });
-    if (signalled) throw py::error_already_set();
+    auto result = wait.run(
+        [&](const Deadline& deadline) {
+          // Each bucket waits for what is left of the timeout.
+          return safetensors::publish_files(publisher_, paths,
+                                            {.version = version, .bucket_bytes = bucket_bytes,
+                                             .timeout = deadline.left(), .interrupted = [&] { return deadline.interrupted(); }});
+        },
+        &turn_.closing);
     stop_if_closing("; the update stays unfinished");
     if (result.published < result.buckets) {
       throw no_slot(text::message(" for bucket ", result.published, " of ", result.buckets), "; the update stays unfinished");
@@ -117,12 +113,12 @@ class PyPublisher {
   }
 
   bool drain(std::optional<double> timeout) {
-    auto deadline = deadline_in(timeout);
-    auto turn = take_turn(turn_, deadline);
-    return turn && wait_until(deadline, [&](auto slice) {
-             stop_if_closing("");
-             return publisher_.drain(slice);
-           });
+    PyWait wait(timeout);
+    auto turn = take_turn(turn_, wait);
+    if (!turn) return false;
+    bool drained = wait.run([&](const Deadline& deadline) { return publisher_.drain(deadline); }, &turn_.closing);
+    if (!drained) stop_if_closing("");
+    return drained;
   }
   void close() {
     auto turn = take_last_turn(turn_);
@@ -155,7 +151,7 @@ class PyPublisher {
                           ", waiting for ", waited_for.empty() ? std::string("a consumer") : waited_for, outcome)};
   }
 
-  // Between the wait slices of publish() and drain(): see Turns::closing.
+  // After a publish() or drain() that a close() from another thread ended: see Turns::closing.
   void stop_if_closing(const char* outcome) const {
     if (turn_.closing) {
       text::fail(ErrorCode::InvalidArgument, "channel ", text::Quoted{publisher_.channel()}, " is closed", outcome);
@@ -180,18 +176,22 @@ class PyPublisher {
 
   // Publishes staged_ through the kept layout, without the GIL; staged_ is emptied either way.
   void publish_staged(std::uint64_t version, std::uint32_t bucket_index,
-                      std::uint32_t bucket_count, Deadline deadline) {
+                      std::uint32_t bucket_count, PyWait& wait) {
     struct Unstage {
       torch_bridge::StagedTensors& staged;
       ~Unstage() { staged.clear(); }  // with the GIL (see clear())
     } unstage{staged_};
     kept_->builder.version(version).bucket(bucket_index, bucket_count);
     auto stream = current_stream(publisher_.location());
-    bool published = wait_until(deadline, [&](auto slice) {
+    bool published = wait.run(
+        [&](const Deadline& deadline) {
+          return torch_bridge::publish_in_place(publisher_, kept_->builder, staged_, deadline, stream);
+        },
+        &turn_.closing);
+    if (!published) {
       stop_if_closing("; nothing was published");
-      return torch_bridge::publish_in_place(publisher_, kept_->builder, staged_, slice, stream);
-    });
-    if (!published) throw no_slot("", "; nothing was published");
+      throw no_slot("", "; nothing was published");
+    }
     published_ = publisher_.published();
   }
 

@@ -1,7 +1,7 @@
 // The Python Relay: a channel served from another host, republished into a local channel
-// (tensorbucket/net.hpp), relayed in slices without the GIL, so that close() from another
-// thread and the interpreter's exit end a relay() that has no time limit, and so does Ctrl+C
-// once a local publish that waits for a slot has ended.
+// (tensorbucket/net.hpp), relayed without the GIL until a deadline that close() from another
+// thread, the interpreter's exit and Ctrl+C interrupt (PyWait), so that they end a relay() that
+// has no time limit; Ctrl+C once a local publish that waits for a slot has ended.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -49,31 +49,37 @@ class PyRelay {
   }
 
   // Relays for `duration` seconds (None: until close() or Ctrl+C), or until `buckets` more were
-  // republished (0: no limit), in slices without the GIL; returns how many it republished.
+  // republished (0: no limit), without the GIL; returns how many it republished.
   std::uint64_t relay(std::optional<double> duration, std::uint64_t buckets) {
-    auto deadline = deadline_in(duration);
-    auto turn = take_turn(turn_, deadline);
+    PyWait wait(duration);
+    auto turn = take_turn(turn_, wait);
     if (!turn) return 0;
-    std::uint64_t relayed = 0;
-    wait_until(deadline, [&](std::chrono::milliseconds slice) {
-      if (turn_.closing && relay_) return true;  // close() from another thread ends the wait
-      relayed += live().relay_for(slice, buckets == 0 ? 0 : buckets - relayed);
-      buckets_relayed_ = relay_->stats().buckets;
-      return buckets != 0 && relayed >= buckets;
-    });
-    return relayed;
+    auto& relay = live();
+    return wait.run(
+        [&](const Deadline& deadline) {
+          auto counting = deadline;  // each time it is asked, the count is brought up to date
+          counting.unless([&] {
+            buckets_relayed_ = relay.stats().buckets;
+            return deadline.interrupted();
+          });
+          auto relayed = relay.relay_for(counting, buckets);
+          buckets_relayed_ = relay.stats().buckets;
+          return relayed;
+        },
+        &turn_.closing);
   }
 
   // Until the local consumers released every bucket; false at `timeout` (None: no limit).
   bool drain(std::optional<double> timeout) {
-    auto deadline = deadline_in(timeout);
-    auto turn = take_turn(turn_, deadline);
+    PyWait wait(timeout);
+    auto turn = take_turn(turn_, wait);
     if (!turn) return false;
-    return wait_until(deadline, [&](std::chrono::milliseconds slice) { return live().drain(slice); });
+    auto& relay = live();
+    return wait.run([&](const Deadline& deadline) { return relay.drain(deadline); }, &turn_.closing);
   }
 
   const std::string& local_channel() const { return local_channel_; }
-  // As of the end of the last slice relayed: readable while another thread relays.
+  // As of at most Deadline::kAskEvery ago: readable while another thread relays.
   std::uint64_t buckets_relayed() const { return buckets_relayed_; }
 
   // Drops the link and closes the local channel; a relay() in another thread returns.

@@ -1,6 +1,6 @@
-// The Python Server: a channel exported to other hosts (tensorbucket/net.hpp), served in
-// slices without the GIL, so that Ctrl+C, close() from another thread and the interpreter's exit
-// all end a serve() that has no time limit.
+// The Python Server: a channel exported to other hosts (tensorbucket/net.hpp), served without
+// the GIL until a deadline that Ctrl+C, close() from another thread and the interpreter's exit
+// interrupt (PyWait), so that they all end a serve() that has no time limit.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -28,28 +28,37 @@ class PyServer {
                               .peer_timeout = limit_in_ms(peer_timeout, "peer_timeout"),
                               .max_peers = max_peers,
                               .window = window};
-    server_ = when_produced(channel, timeout, [&](auto slice) { return net::Server::start(channel, options, slice); });
+    PyWait wait(timeout);
+    server_ = wait.in_seconds(timeout).run(
+        [&](const Deadline& deadline) { return net::Server::start(channel, options, deadline); });
     address_ = server_->address();
   }
 
-  // Serves for `duration` seconds (None: until close() or Ctrl+C), in slices without the GIL.
+  // Serves for `duration` seconds (None: until close() or Ctrl+C), without the GIL.
   void serve(std::optional<double> duration) {
-    auto deadline = deadline_in(duration);
+    PyWait wait(duration);
     // The wait for the turn counts against the duration: while another thread serves, this one
     // returns at its deadline, having served nothing itself.
-    auto turn = take_turn(turn_, deadline);
+    auto turn = take_turn(turn_, wait);
     if (!turn) return;
-    wait_until(deadline, [&](std::chrono::milliseconds slice) {
-      if (turn_.closing && server_) return true;  // close() from another thread ends the wait
-      live().serve_for(slice);
-      peers_ = server_->peers();
-      served_ = server_->buckets_served();
-      return false;
-    });
+    auto& server = live();
+    wait.run(
+        [&](const Deadline& deadline) {
+          auto counting = deadline;  // each time it is asked, the counters are brought up to date
+          counting.unless([&] {
+            peers_ = server.peers();
+            served_ = server.buckets_served();
+            return deadline.interrupted();
+          });
+          server.serve_for(counting);
+          peers_ = server.peers();
+          served_ = server.buckets_served();
+        },
+        &turn_.closing);
   }
 
   const std::string& address() const { return address_; }
-  // As of the end of the last slice served: readable while another thread serves.
+  // As of at most Deadline::kAskEvery ago: readable while another thread serves.
   std::uint32_t peers() const { return peers_; }
   std::uint64_t buckets_served() const { return served_; }
 

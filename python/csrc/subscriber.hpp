@@ -1,5 +1,4 @@
-// The Python Subscriber: attaches, waits in slices without the GIL, and hands out Buckets and
-// Updates.
+// The Python Subscriber: attaches, waits without the GIL, and hands out Buckets and Updates.
 #pragma once
 
 #include <torch/extension.h>
@@ -27,16 +26,16 @@ class PySubscriber {
                             .follow_restarts = follow})) {}
 
   std::optional<PyBucket> next(std::optional<double> timeout, const py::handle& expected) {
-    auto bucket = receive(timeout, expected, [&](auto slice, const auto& options, auto stream) {
-      return subscriber_->next(slice, options, stream);
+    auto bucket = receive(timeout, expected, [&](const Deadline& deadline, const auto& options, auto stream) {
+      return subscriber_->next(deadline, options, stream);
     });
     if (!bucket) return std::nullopt;
     return PyBucket(std::move(*bucket));
   }
 
   std::optional<PyUpdate> next_update(std::optional<double> timeout, const py::handle& expected) {
-    auto update = receive(timeout, expected, [&](auto slice, const auto& options, auto stream) {
-      return subscriber_->next_update(slice, options, stream);
+    auto update = receive(timeout, expected, [&](const Deadline& deadline, const auto& options, auto stream) {
+      return subscriber_->next_update(deadline, options, stream);
     });
     if (!update) return std::nullopt;
     return PyUpdate(std::move(*update));
@@ -68,21 +67,20 @@ class PySubscriber {
     text::fail(ErrorCode::InvalidArgument, "subscriber of channel ", text::Quoted{channel_}, " is closed");
   }
 
-  // Waits, in turn and in slices, for what `take(slice, options, stream)` returns.
+  // Waits, in turn, for what `take(deadline, options, stream)` returns.
   template <class Take>
   auto receive(std::optional<double> timeout, const py::handle& expected, Take&& take)
-      -> decltype(take(std::chrono::milliseconds(0), VerifyOptions{}, CudaStream{})) {
-    auto deadline = deadline_in(timeout);
+      -> decltype(take(std::declval<const Deadline&>(), VerifyOptions{}, CudaStream{})) {
+    PyWait wait(timeout);
     std::optional<Manifest> expected_manifest;
     if (!expected.is_none()) expected_manifest = to_manifest(expected);
     VerifyOptions options{.expected = expected_manifest ? &*expected_manifest : nullptr};
-    auto turn = take_turn(turn_, deadline);
+    auto turn = take_turn(turn_, wait);
     if (!turn) return std::nullopt;
     auto stream = current_stream(live().location());
-    return wait_until(deadline, [&](auto slice) {
-      if (turn_.closing) closed();
-      return take(slice, options, stream);
-    });
+    auto taken = wait.run([&](const Deadline& deadline) { return take(deadline, options, stream); }, &turn_.closing);
+    if (!taken && turn_.closing) closed();
+    return taken;
   }
 
   static std::optional<PayloadLocation::Kind> expected_kind(const py::handle& device) {
@@ -91,7 +89,9 @@ class PySubscriber {
   }
 
   static Subscriber attach(const std::string& channel, std::optional<double> timeout, const SubscribeOptions& options) {
-    return when_produced(channel, timeout, [&](auto slice) { return Subscriber::attach(channel, slice, options); });
+    PyWait wait(timeout);
+    return wait.in_seconds(timeout).run(
+        [&](const Deadline& deadline) { return Subscriber::attach(channel, deadline, options); });
   }
 
   Turns turn_;

@@ -13,9 +13,11 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 #include "base/text.hpp"
+#include "tensorbucket/deadline.hpp"
 #include "tensorbucket/error.hpp"
 
 namespace tensorbucket::python {
@@ -29,10 +31,6 @@ struct WaitTimeout {
 };
 
 using Clock = std::chrono::steady_clock;
-using Deadline = std::optional<Clock::time_point>;  // none: no limit
-
-// The longest a wait runs without the GIL: between slices Python runs its signal handlers.
-constexpr auto kSignalCheck = std::chrono::milliseconds(50);
 
 // How Python writes a float: 0.5, -1.0, nan.
 inline std::string as_text(double seconds) { return py::str(py::float_(seconds)); }
@@ -44,17 +42,6 @@ inline std::chrono::milliseconds limit_in_ms(double seconds, const char* name) {
     text::fail(ErrorCode::InvalidArgument, name, " must be seconds above 0 and at most 1e9, not ", as_text(seconds));
   }
   return std::chrono::ceil<std::chrono::milliseconds>(std::chrono::duration<double>(seconds));
-}
-
-// When a wait of `seconds` from now ends: never for None, inf, or more than a clock can hold.
-// A negative or NaN timeout would end every wait at once: an error instead.
-inline Deadline deadline_in(std::optional<double> seconds) {
-  if (!seconds || *seconds > 1e9) return std::nullopt;  // inf included; 1e9 s is ~32 years
-  if (!(*seconds >= 0)) {
-    text::fail(ErrorCode::InvalidArgument, "timeout must be seconds >= 0, or None for no limit, not ", as_text(*seconds));
-  }
-  auto wait = std::chrono::duration<double>(*seconds);
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(wait);
 }
 
 // Threads outside the GIL in this module, and the interpreter's exit. From the moment Python
@@ -114,42 +101,69 @@ class OutsideGil {
   };
 };
 
-// Calls attempt(slice) without the GIL, in slices of at most kSignalCheck, until it returns
-// something true or `deadline` passes; returns its last result. Each attempt either finishes
-// or leaves nothing done, so Ctrl+C between two of them interrupts a long wait cleanly.
-template <class Attempt>
-auto wait_until(Deadline deadline, Attempt&& attempt) {
-  for (;;) {
-    auto slice = kSignalCheck;
-    if (deadline) {
-      auto left = std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now());
-      slice = std::clamp(left, std::chrono::milliseconds(0), kSignalCheck);
+// A wait of `seconds` from now (None, inf, or more than 1e9: no limit; a negative or NaN
+// timeout, which would end every wait at once, is InvalidArgument), run without the GIL. Its
+// Deadline is interrupted by the interpreter's exit, by the `closing` flag a call passes (a
+// close() from another thread), and by Python's signal handlers: every Deadline::kAskEvery of
+// waiting it takes the GIL and runs them, and what one raised (Ctrl+C's KeyboardInterrupt) is
+// raised once the call returns, whatever it returned or threw. Made with the GIL, by the call
+// that waits; not moved (its Deadline refers to it).
+class PyWait {
+ public:
+  explicit PyWait(std::optional<double> seconds) : deadline_(Deadline::never()) {
+    if (seconds && !(*seconds >= 0)) {
+      text::fail(ErrorCode::InvalidArgument, "timeout must be seconds >= 0, or None for no limit, not ",
+                 as_text(*seconds));
     }
-    auto result = OutsideGil::run([&] { return attempt(slice); });
-    if (result || (deadline && Clock::now() >= *deadline)) return result;
-    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    if (seconds && *seconds <= 1e9) deadline_ = Deadline::after(std::chrono::duration<double>(*seconds));
+    deadline_.unless([this] { return interrupted(); });
   }
-}
+  PyWait(const PyWait&) = delete;
+  PyWait& operator=(const PyWait&) = delete;
 
-// What attach(slice) returns once `channel` has a live producer: retried, as wait_until does,
-// while it throws ChannelMissing; ChannelMissing naming the channel when `timeout` passed first.
-template <class Attach>
-auto when_produced(const std::string& channel, std::optional<double> timeout, Attach&& attach) {
-  using Attached = decltype(attach(std::chrono::milliseconds(0)));
-  auto attached = wait_until(deadline_in(timeout), [&](std::chrono::milliseconds slice) -> std::optional<Attached> {
-    try {
-      return attach(slice);
-    } catch (const Error& e) {
-      if (e.code() != ErrorCode::ChannelMissing) throw;
-      return std::nullopt;  // not there yet
-    }
-  });
-  if (!attached) {
-    text::fail(ErrorCode::ChannelMissing, "channel ", text::Quoted{channel}, " had no live producer within ",
-               as_text(*timeout), " s");
+  // Messages name the limit as Python wrote it ("within 0.5 s").
+  PyWait& in_seconds(std::optional<double> seconds) {
+    if (seconds) deadline_.described_as(as_text(*seconds) + " s");
+    return *this;
   }
-  return std::move(*attached);
-}
+
+  // call(deadline) without the GIL; `closing` also ends its wait.
+  template <class Call>
+  auto run(Call&& call, const std::atomic<bool>* closing = nullptr) {
+    closing_ = closing;
+    try {
+      if constexpr (std::is_void_v<decltype(call(deadline_))>) {
+        OutsideGil::run([&] { call(deadline_); });
+        raise_if_signalled();
+      } else {
+        auto result = OutsideGil::run([&] { return call(deadline_); });
+        raise_if_signalled();
+        return result;
+      }
+    } catch (const py::error_already_set&) {
+      throw;
+    } catch (...) {
+      raise_if_signalled();
+      throw;
+    }
+  }
+
+ private:
+  // Asked without the GIL, by the thread that waits.
+  bool interrupted() {
+    if (OutsideGil::exiting_now() || (closing_ != nullptr && closing_->load())) return true;
+    py::gil_scoped_acquire gil;  // the interpreter is whole: its exit parks us first (OutsideGil)
+    signalled_ = PyErr_CheckSignals() != 0;  // the exception stays set until raise_if_signalled()
+    return signalled_;
+  }
+  void raise_if_signalled() {
+    if (std::exchange(signalled_, false)) throw py::error_already_set();
+  }
+
+  Deadline deadline_;
+  const std::atomic<bool>* closing_ = nullptr;
+  bool signalled_ = false;
+};
 
 // Forks of this process so far, as its child counts them: bumped in every child
 // (pthread_atfork, registered at import).
@@ -198,23 +212,31 @@ class Turn {
   Turns* turns_ = nullptr;
 };
 
-// Waits as wait_until does; none, with nothing done, when `deadline` passed first.
-inline std::optional<Turn> take_turn(Turns& turns, Deadline deadline = std::nullopt) {
+// The turn, waited for within `wait`; none, with nothing done, when its deadline passed first.
+// Taken at once when free, without giving up the GIL.
+inline std::optional<Turn> take_turn(Turns& turns, PyWait& wait) {
   if (turns.forks != forks_seen) return Turn();  // in a forked child: see Turns
-  auto take = [&](std::chrono::milliseconds slice) {
+  auto take = [&](const Deadline& deadline) {
     std::unique_lock lock(turns.mutex);
-    if (!turns.given_back.wait_for(lock, slice, [&] { return !turns.taken; })) return false;
+    for (auto now = Clock::now(); turns.taken; now = Clock::now()) {
+      if (deadline.passed(now) || deadline.interrupted(now)) return false;
+      turns.given_back.wait_for(lock, deadline.next_sleep(Deadline::kAskEvery, now));
+    }
     turns.taken = true;
     return true;
   };
-  if (take(std::chrono::milliseconds(0)) || wait_until(deadline, take)) return std::optional<Turn>(std::in_place, turns);
+  if (take(Deadline(std::chrono::milliseconds(0))) || wait.run(take)) return std::optional<Turn>(std::in_place, turns);
   return std::nullopt;
+}
+inline Turn take_turn(Turns& turns) {
+  PyWait forever(std::nullopt);
+  return std::move(*take_turn(turns, forever));  // none only past a deadline
 }
 
 // close()'s turn: announced first (see Turns::closing), then taken.
 inline Turn take_last_turn(Turns& turns) {
   turns.closing = true;
-  return std::move(*take_turn(turns));
+  return take_turn(turns);
 }
 
 }  // namespace tensorbucket::python
