@@ -75,7 +75,8 @@ void check_sendable(const std::string& name, const at::Tensor& tensor, PayloadLo
   }
   if (tensor.device() != device_of(where)) {
     fail(ErrorCode::InvalidArgument, "entry ", Quoted{name}, " is on ", tensor.device().str(), "; the channel's payloads live ",
-         where.on_host() ? "in host memory: it sends CPU tensors" : "on " + where.to_string() + ", where its tensors must be");
+         where.on_host() ? std::string("in host memory: it sends CPU tensors")
+                         : text::message("on ", where.to_string(), ", where its tensors must be"));
   }
   dtype_of(tensor.scalar_type(), name);
 }

@@ -67,7 +67,7 @@ ChannelInfo inspect_channel(std::string_view channel) {
   auto home = static_cast<ipc::PayloadHome>(home_word);
   info.location = home == ipc::PayloadHome::kHost   ? "host"
                   : home == ipc::PayloadHome::kCuda ? "cuda " + ipc::describe(control->device)
-                                                    : "unknown (payload home " + std::to_string(home_word) + ")";
+                                                    : text::message("unknown (payload home ", home_word, ")");
   auto ours = ipc::pid_namespace();
   auto elsewhere = [&](const ipc::ProcessLabel& label) {
     return label.pid_namespace != 0 && ours != 0 && label.pid_namespace != ours;
@@ -82,7 +82,7 @@ ChannelInfo inspect_channel(std::string_view channel) {
   auto policy = ipc::atomic(control->policy).load(std::memory_order_relaxed);
   info.policy = policy == static_cast<std::uint16_t>(ipc::SlotPolicy::kBlock)    ? "block"
                 : policy == static_cast<std::uint16_t>(ipc::SlotPolicy::kLatest) ? "latest"
-                                                                                 : "unknown (" + std::to_string(policy) + ")";
+                                                                                 : text::message("unknown (", policy, ")");
   info.update_buckets = ipc::atomic(control->update_buckets).load(std::memory_order_relaxed);
   info.updates = ipc::atomic(control->updates).load(std::memory_order_relaxed);
 

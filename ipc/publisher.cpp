@@ -25,6 +25,7 @@
 namespace tensorbucket {
 
 using text::fail;
+using text::message;
 using text::Quoted;
 
 namespace {
@@ -48,7 +49,7 @@ using Clock = std::chrono::steady_clock;
 
 // "pid 123", or "pid 123 (in another pid namespace)" when it is not one of ours.
 std::string describe(const ipc::ProcessLabel& process) {
-  std::string text = "pid " + std::to_string(process.pid);
+  auto text = message("pid ", process.pid);
   auto ours = ipc::pid_namespace();
   if (process.pid_namespace != 0 && ours != 0 && process.pid_namespace != ours) {
     text += " (in another pid namespace)";
@@ -187,16 +188,15 @@ struct detail::PublisherState {
       }
     }
     if (!blocker.record) {
-      waiting_for = (attached ? "consumers" : "a consumer (none is attached)") + std::string(" to release bucket ") +
-                    std::to_string(blocker.bucket) + " (min_consumers is " + std::to_string(options.min_consumers) +
-                    "; " + std::to_string(blocker.releases) + " did)";
+      waiting_for = message(attached ? "consumers" : "a consumer (none is attached)", " to release bucket ",
+                            blocker.bucket, " (min_consumers is ", options.min_consumers, "; ", blocker.releases,
+                            " did)");
       return;
     }
     auto& record = control->consumers[*blocker.record];
-    waiting_for = "consumer " + describe(ipc::load_label(record.process)) + " (record " +
-                  std::to_string(*blocker.record) + "), which " +
-                  (blocker.leased ? "still holds bucket " : "has not read bucket ") + std::to_string(blocker.bucket) +
-                  published_ago(blocker.slot);
+    waiting_for = message("consumer ", describe(ipc::load_label(record.process)), " (record ", *blocker.record,
+                          "), which ", blocker.leased ? "still holds bucket " : "has not read bucket ", blocker.bucket,
+                          published_ago(blocker.slot));
   }
 
   // ", published 2.5 s ago": how long a consumer may have held the bucket in slot `s` at most.
@@ -279,10 +279,9 @@ struct detail::PublisherState {
                    last_place->bucket_count == manifest.bucket_count &&
                    last_place->bucket_index + 1 == manifest.bucket_index;
     if (!follows) {
-      std::string last = last_place ? "bucket " + std::to_string(last_place->bucket_index) + " of " +
-                                          std::to_string(last_place->bucket_count) + " of version " +
-                                          std::to_string(last_place->version)
-                                    : "nothing";
+      auto last = last_place ? message("bucket ", last_place->bucket_index, " of ", last_place->bucket_count,
+                                       " of version ", last_place->version)
+                             : std::string("nothing");
       fail(ErrorCode::InvalidArgument, "bucket ", manifest.bucket_index, " of ", manifest.bucket_count,
            " of version ", manifest.version, " does not follow what channel ", Quoted{channel},
            " published last (", last, "): publish an update's buckets in order, from bucket 0");
@@ -437,7 +436,7 @@ bool remove_stale_channel(std::string_view channel, const std::string& name) {
   std::string owner = "a live process";
   if (stale->size() >= sizeof(ipc::ControlBlock)) {
     auto* control = reinterpret_cast<ipc::ControlBlock*>(stale->data());
-    owner = "live process " + describe(ipc::load_label(control->producer));
+    owner = message("live process ", describe(ipc::load_label(control->producer)));
   }
   fail(ErrorCode::ChannelExists, "channel ", Quoted{channel}, " is owned by ", owner);
 }

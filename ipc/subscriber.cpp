@@ -23,6 +23,7 @@
 namespace tensorbucket {
 
 using text::fail;
+using text::message;
 using text::Quoted;
 
 namespace {
@@ -422,7 +423,7 @@ ipc::Segment open_live_channel(std::string_view channel, const Deadline& deadlin
     } catch (const Error& e) {
       // A producer creates the object, then sizes it: too small may just mean too early.
       if (e.code() != ErrorCode::SystemError) throw;
-      last_seen = std::string(": ") + e.what();
+      last_seen = message(": ", e.what());
     }
     if (segment) {
       auto* control = reinterpret_cast<ipc::ControlBlock*>(segment->data());
@@ -432,8 +433,8 @@ ipc::Segment open_live_channel(std::string_view channel, const Deadline& deadlin
         bool closed = ipc::atomic(control->closed).load(std::memory_order_acquire) != 0;
         if (holder == ipc::Holder::kProducer && !closed) return std::move(*segment);
         if (holder != ipc::Holder::kProducer) {
-          last_seen = "; the leftovers of its dead producer (pid " +
-                      std::to_string(ipc::load_label(control->producer).pid) + ") were removed";
+          last_seen = message("; the leftovers of its dead producer (pid ", ipc::load_label(control->producer).pid,
+                              ") were removed");
           if (holder == ipc::Holder::kNobody) ipc::remove_if_dead(channel, name, *segment);
         } else {
           last_seen = "; its producer was closing it";

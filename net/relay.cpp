@@ -137,7 +137,7 @@ struct RelayState {
   // `deadline`, ending also when options.interrupted says so.
   Deadline or_interrupted(const Deadline& deadline) const {
     auto either = deadline;
-    either.unless([this, &deadline] { return interrupted() || deadline.interrupted(); });
+    either.unless([this, &deadline] { return interrupted() || deadline.ask(); });
     return either;
   }
 

@@ -324,9 +324,8 @@ void save(std::span<const BucketView* const> buckets, const std::string& path) {
       throw Error(ErrorCode::InvalidArgument, "save reads payloads on the host: copy a device bucket's first");
     }
     if (bucket->version() != first.version()) {
-      throw Error(ErrorCode::InvalidArgument, "save writes one update: buckets of versions " +
-                                                  std::to_string(first.version()) + " and " +
-                                                  std::to_string(bucket->version()));
+      fail(ErrorCode::InvalidArgument, "save writes one update: buckets of versions ", first.version(), " and ",
+           bucket->version());
     }
   }
   // The header: every tensor contiguous, in the buckets' order, as the safetensors package
@@ -377,7 +376,7 @@ void save(std::span<const BucketView* const> buckets, const std::string& path) {
     auto mode = ::stat(path.c_str(), &replaced) == 0 ? replaced.st_mode & 07777 : file.created_mode();
     if (::fchmod(file.descriptor(), mode) != 0) fail_errno("cannot set the mode of", file.path());
     file.sync();
-    if (::rename(file.path().c_str(), path.c_str()) != 0) fail_errno("cannot rename " + file.path() + " to", path);
+    if (::rename(file.path().c_str(), path.c_str()) != 0) fail_errno(text::message("cannot rename ", file.path(), " to"), path);
   } catch (...) {
     ::unlink(file.path().c_str());
     throw;

@@ -132,20 +132,27 @@ TEST(Deadline, SaysWhenAWaitEndsAndHowMessagesNameIt) {
   EXPECT_GE(deadline.left(now), 3599s);
 }
 
-TEST(Deadline, AsksInterruptedOnlyOnceKAskEveryPassed) {
+TEST(Deadline, AsksInterruptedAtItsPaceAndRemembersTrue) {
   int asked = 0;
-  auto deadline = Deadline::never().unless([&] {
-    ++asked;
-    return true;
-  });
+  auto deadline = Deadline::never().unless([&] { return ++asked == 2; });
   auto made = Deadline::Clock::now();
   EXPECT_FALSE(deadline.interrupted(made));  // too soon: a wait that ends now never asks
   EXPECT_EQ(asked, 0);
   EXPECT_LE(deadline.next_sleep(1h, made), Deadline::kAskEvery);  // the sleep ends when it is due
-  EXPECT_TRUE(deadline.interrupted(made + Deadline::kAskEvery));
+  EXPECT_FALSE(deadline.interrupted(made + Deadline::kAskEvery));
   EXPECT_FALSE(deadline.interrupted(made + Deadline::kAskEvery + 1ms));  // asked just now
+  EXPECT_EQ(asked, 1);
   EXPECT_TRUE(deadline.interrupted(made + 2 * Deadline::kAskEvery));
+  EXPECT_TRUE(deadline.interrupted(made + 2 * Deadline::kAskEvery + 1ms));  // remembered, not asked
+  EXPECT_TRUE(deadline.ask());
   EXPECT_EQ(asked, 2);
+
+  // ask() asks at once: a deadline made from another keeps that one's pace, not two in a row.
+  int outer_asked = 0;
+  auto outer = Deadline::never().unless([&] { return ++outer_asked > 0; });
+  auto inner = Deadline::never().unless([&] { return outer.ask(); });
+  EXPECT_TRUE(inner.interrupted(Deadline::Clock::now() + Deadline::kAskEvery));
+  EXPECT_EQ(outer_asked, 1);
 }
 
 // Every wait ends once its deadline is interrupted, as at its timeout, with nothing done; a

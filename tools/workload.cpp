@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "base/text.hpp"
+
 namespace tensorbucket::cli {
 namespace {
 
@@ -72,23 +74,22 @@ BucketBuilder make_layout(const Workload& workload, std::uint64_t index) {
 
 std::string check_bucket(const BucketView& view, std::uint64_t seed, std::uint64_t index,
                          std::span<const std::byte> payload) {
-  auto where = "bucket " + std::to_string(index);
   // Its place in its update, as set_bucket_fields() made it.
   if (view.version() != index / view.bucket_count() || view.bucket_index() != index % view.bucket_count()) {
-    return where + " is bucket " + std::to_string(view.bucket_index()) + " of " + std::to_string(view.bucket_count()) +
-           " of version " + std::to_string(view.version());
+    return text::message("bucket ", index, " is bucket ", view.bucket_index(), " of ", view.bucket_count(),
+                         " of version ", view.version());
   }
   Workload workload{.seed = seed};
   std::vector<std::byte> expected;
   for (std::uint32_t t = 0; t < view.size(); ++t) {
     auto tensor = view.find(tensor_name(t));
-    if (!tensor || tensor->dtype != tensor_dtype(t)) return where + " lacks " + tensor_name(t);
+    if (!tensor || tensor->dtype != tensor_dtype(t)) return text::message("bucket ", index, " lacks ", tensor_name(t));
     expected.resize(tensor->bytes.size());
     fill_tensor(expected, workload, index, t);
     const auto* bytes = tensor->bytes.data();
     if (!payload.empty()) bytes = payload.data() + view.manifest().entries[*view.position(tensor_name(t))].byte_offset;
     if (std::memcmp(bytes, expected.data(), expected.size()) != 0) {
-      return where + " tensor " + tensor_name(t) + " differs";
+      return text::message("bucket ", index, " tensor ", tensor_name(t), " differs");
     }
   }
   return {};

@@ -52,7 +52,7 @@ class Deadline {
     interrupted_ = std::move(interrupted);
     return *this;
   }
-  Deadline&& unless(std::function<bool()> interrupted) && { return std::move(unless(std::move(interrupted))); }
+  Deadline unless(std::function<bool()> interrupted) && { return std::move(unless(std::move(interrupted))); }
 
   // How messages name the limit, e.g. "0.5 s" where the caller counts in seconds; by default
   // the timeout in milliseconds ("500 ms").
@@ -60,21 +60,26 @@ class Deadline {
     description_ = std::move(limit);
     return *this;
   }
-  Deadline&& described_as(std::string limit) && { return std::move(described_as(std::move(limit))); }
+  Deadline described_as(std::string limit) && { return std::move(described_as(std::move(limit))); }
 
   Clock::time_point at() const noexcept { return at_; }
   bool never_ends() const noexcept { return at_ == Clock::time_point::max(); }
   bool passed(Clock::time_point now = Clock::now()) const noexcept { return now >= at_; }
 
-  // Whether the caller asked the wait to end: calls `interrupted` once kAskEvery passed since
-  // the deadline was made or last asked (else false), so that a wait that ends sooner never
-  // calls it. Its exceptions propagate.
+  // Whether the caller asked the wait to end: true from the first time `interrupted` said so;
+  // until then it is called once kAskEvery passed since the deadline was made or last asked
+  // (else false), so that a wait that ends sooner never calls it. Its exceptions propagate.
   bool interrupted(Clock::time_point now = Clock::now()) const {
-    if (!interrupted_ || now < next_ask_) return false;
+    if (now < next_ask_) return said_true_;
     next_ask_ = now + kAskEvery;
-    return interrupted_();
+    return ask();
   }
-  bool interruptible() const noexcept { return static_cast<bool>(interrupted_); }
+  // The same, asking now: for the predicate of a deadline made from this one, whose own
+  // interrupted() already keeps the pace (two paces in a row would make the wait longer).
+  bool ask() const {
+    if (!said_true_ && interrupted_) said_true_ = interrupted_();
+    return said_true_;
+  }
 
   // The next sleep of a wait that rechecks at least every `longest`: what is left, and no
   // longer than until `interrupted` is due to be asked again. Zero when both are now.
@@ -104,6 +109,7 @@ class Deadline {
   std::chrono::milliseconds timeout_;  // as asked, for limit()
   std::function<bool()> interrupted_;
   mutable Clock::time_point next_ask_;
+  mutable bool said_true_ = false;
   std::string description_;
 };
 

@@ -102,7 +102,7 @@ class PyPublisher {
           // Each bucket waits for what is left of the timeout.
           return safetensors::publish_files(publisher_, paths,
                                             {.version = version, .bucket_bytes = bucket_bytes,
-                                             .timeout = deadline.left(), .interrupted = [&] { return deadline.interrupted(); }});
+                                             .timeout = deadline.left(), .interrupted = [&] { return deadline.ask(); }});
         },
         &turn_.closing);
     stop_if_closing("; the update stays unfinished");
@@ -116,6 +116,7 @@ class PyPublisher {
     PyWait wait(timeout);
     auto turn = take_turn(turn_, wait);
     if (!turn) return false;
+    stop_if_closing("");
     bool drained = wait.run([&](const Deadline& deadline) { return publisher_.drain(deadline); }, &turn_.closing);
     if (!drained) stop_if_closing("");
     return drained;
@@ -183,6 +184,7 @@ class PyPublisher {
     } unstage{staged_};
     kept_->builder.version(version).bucket(bucket_index, bucket_count);
     auto stream = current_stream(publisher_.location());
+    stop_if_closing("; nothing was published");
     bool published = wait.run(
         [&](const Deadline& deadline) {
           return torch_bridge::publish_in_place(publisher_, kept_->builder, staged_, deadline, stream);

@@ -42,7 +42,7 @@ class PyRelay {
         // As Server logs its peers: what a person watching wants to know, on stderr.
         .log = [](const std::string& line, bool) { std::fprintf(stderr, "tensorbucket relay: %s\n", line.c_str()); },
         // close() from another thread, or the interpreter's exit, ends a local publish that
-        // waits for a slot (Ctrl+C is seen between slices: after such a wait).
+        // waits for a slot (Ctrl+C, asked by relay()'s deadline, is seen after such a wait).
         .interrupted = [this] { return turn_.closing.load() || OutsideGil::exiting_now(); }};
     relay_ = net::Relay::create(options);
     local_channel_ = relay_->local_channel();
@@ -55,12 +55,13 @@ class PyRelay {
     auto turn = take_turn(turn_, wait);
     if (!turn) return 0;
     auto& relay = live();
+    if (turn_.closing) return 0;  // close() is next
     return wait.run(
         [&](const Deadline& deadline) {
           auto counting = deadline;  // each time it is asked, the count is brought up to date
           counting.unless([&] {
             buckets_relayed_ = relay.stats().buckets;
-            return deadline.interrupted();
+            return deadline.ask();
           });
           auto relayed = relay.relay_for(counting, buckets);
           buckets_relayed_ = relay.stats().buckets;

@@ -42,13 +42,14 @@ class PyServer {
     auto turn = take_turn(turn_, wait);
     if (!turn) return;
     auto& server = live();
+    if (turn_.closing) return;  // close() is next
     wait.run(
         [&](const Deadline& deadline) {
           auto counting = deadline;  // each time it is asked, the counters are brought up to date
           counting.unless([&] {
             peers_ = server.peers();
             served_ = server.buckets_served();
-            return deadline.interrupted();
+            return deadline.ask();
           });
           server.serve_for(counting);
           peers_ = server.peers();

@@ -78,6 +78,7 @@ class PySubscriber {
     auto turn = take_turn(turn_, wait);
     if (!turn) return std::nullopt;
     auto stream = current_stream(live().location());
+    if (turn_.closing) closed();
     auto taken = wait.run([&](const Deadline& deadline) { return take(deadline, options, stream); }, &turn_.closing);
     if (!taken && turn_.closing) closed();
     return taken;

@@ -49,7 +49,7 @@ inline std::chrono::milliseconds limit_in_ms(double seconds, const char* name) {
 // inside pybind11's noexcept gil_scoped_release destructor aborts the whole process: a
 // server's daemon thread waiting in next() did that at every exit (exit 134). So an atexit
 // hook, which runs while the interpreter is still whole, has every such thread park once its
-// current slice of work ends (<= kSignalCheck of waiting, or a copy): it sleeps without the
+// current work ends (a wait asks PyWait within Deadline::kAskEvery, or a copy): it sleeps without the
 // GIL until the process is gone. The hook waits until all of them are parked or back.
 class OutsideGil {
  public:
@@ -151,7 +151,7 @@ class PyWait {
  private:
   // Asked without the GIL, by the thread that waits.
   bool interrupted() {
-    if (OutsideGil::exiting_now() || (closing_ != nullptr && closing_->load())) return true;
+    if (signalled_ || OutsideGil::exiting_now() || (closing_ != nullptr && closing_->load())) return true;
     py::gil_scoped_acquire gil;  // the interpreter is whole: its exit parks us first (OutsideGil)
     signalled_ = PyErr_CheckSignals() != 0;  // the exception stays set until raise_if_signalled()
     return signalled_;
@@ -187,8 +187,8 @@ struct Turns {
   std::condition_variable given_back;
   bool taken = false;  // guarded by mutex
   std::uint64_t forks = forks_seen;  // when the handle was made
-  // Set by close() before it takes its turn: a call waiting in another thread sees it between
-  // two wait slices and ends, where close() would otherwise wait behind it (for ever with None).
+  // Set by close() before it takes its turn: a call waiting in another thread sees it (PyWait)
+  // and ends, where close() would otherwise wait behind it (for ever with None).
   std::atomic<bool> closing = false;
 };
 
@@ -217,13 +217,22 @@ class Turn {
 inline std::optional<Turn> take_turn(Turns& turns, PyWait& wait) {
   if (turns.forks != forks_seen) return Turn();  // in a forked child: see Turns
   auto take = [&](const Deadline& deadline) {
-    std::unique_lock lock(turns.mutex);
-    for (auto now = Clock::now(); turns.taken; now = Clock::now()) {
-      if (deadline.passed(now) || deadline.interrupted(now)) return false;
-      turns.given_back.wait_for(lock, deadline.next_sleep(Deadline::kAskEvery, now));
+    for (;;) {
+      {
+        std::unique_lock lock(turns.mutex);
+        auto now = Clock::now();
+        if (turns.taken && !deadline.passed(now)) {
+          turns.given_back.wait_for(lock, deadline.next_sleep(Deadline::kAskEvery, now));
+        }
+        if (!turns.taken) {
+          turns.taken = true;
+          return true;
+        }
+      }
+      // Asked without the lock: the question may take the GIL, which a thread giving its turn
+      // back (~Turn, with the mutex) holds.
+      if (deadline.passed() || deadline.interrupted()) return false;
     }
-    turns.taken = true;
-    return true;
   };
   if (take(Deadline(std::chrono::milliseconds(0))) || wait.run(take)) return std::optional<Turn>(std::in_place, turns);
   return std::nullopt;

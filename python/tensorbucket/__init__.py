@@ -618,7 +618,7 @@ class Server:
 
     @property
     def peers(self) -> int:
-        """Relays that proved the token and are served now (as of serve()'s last slice)."""
+        """Relays that proved the token and are served now (as of at most 50 ms ago while serve() runs)."""
         return self._impl.peers
 
     @property
@@ -729,7 +729,7 @@ class Relay:
 
     @property
     def buckets_relayed(self) -> int:
-        """Buckets republished so far (as of relay()'s last slice)."""
+        """Buckets republished so far (as of at most 50 ms ago while relay() runs)."""
         return self._impl.buckets_relayed
 
     def __enter__(self) -> "Relay":

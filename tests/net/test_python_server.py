@@ -109,6 +109,44 @@ def test_python_trainer_served_from_python_reaches_a_python_server_byte_for_byte
         server.serve(0.1)
 
 
+def test_ctrl_c_ends_a_relay_without_a_limit_while_its_link_is_up(tmp_path):
+    """SIGINT, once a bucket was relayed and the link waits for the next, ends relay() (no time
+    limit) with KeyboardInterrupt within seconds: the wait for the link asks Python's signal
+    handlers, and what they raised is not lost."""
+    token = make_token(tmp_path / "token")
+    tag = os.getpid()
+    up, down = f"pyiup{tag}", f"pyidown{tag}"
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with tensorbucket.Publisher(up, slots=2) as publisher, \
+                tensorbucket.Server(up, f"127.0.0.1:{free_port()}", token, peer_timeout=5, timeout=30) as server:
+            serving = threading.Thread(target=server.serve)  # until close()
+            serving.start()
+            publisher.publish(weights(0), timeout=30)
+            with tensorbucket.Relay(server.address, up, token, local=down, timeout=30) as relay:
+                sent = []
+
+                def interrupt_once_relayed():
+                    give_up = time.monotonic() + 30
+                    while relay.buckets_relayed < 1 and time.monotonic() < give_up:
+                        time.sleep(0.05)
+                    time.sleep(0.3)  # into the wait for the next bucket
+                    sent.append(time.monotonic())
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(20)
+                    relay.close()  # a lost Ctrl+C: relay() then returns, and the test fails
+
+                threading.Thread(target=interrupt_once_relayed, daemon=True).start()
+                with pytest.raises(KeyboardInterrupt):
+                    relay.relay()
+                assert time.monotonic() - sent[0] < 10
+                assert relay.buckets_relayed == 1
+            server.close()
+            serving.join(timeout=10)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_a_python_relay_republishes_a_python_server_byte_for_byte(tmp_path):
     """Both ends in Python: a Relay in a thread republishes what a Server serves into a local
     channel, every bucket verified and in order; close() ends a relay() without a limit, and a

@@ -267,6 +267,29 @@ def test_threads_sharing_a_publisher_or_a_subscriber_take_turns(channel):
     assert torn == []
 
 
+def test_threads_waiting_for_their_turn_past_a_signal_check_do_not_block_each_other(channel):
+    """Two threads waiting on one Subscriber in turn, each call longer than the 50 ms between two
+    looks at Python's signal handlers: the thread waiting for the turn looks (taking the GIL)
+    while the other gives its turn back, and neither may hold what the other needs meanwhile."""
+    publisher = tensorbucket.Publisher(channel)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    calls = []
+
+    def wait_in_turns():
+        for _ in range(15):
+            assert subscriber.next(timeout=0.12) is None
+            calls.append(1)
+
+    threads = [threading.Thread(target=wait_in_turns, daemon=True) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert len(calls) == 30
+    publisher.close()
+
+
 @pytest.mark.parametrize("waiting", ["publish", "drain"])
 def test_close_from_another_thread_ends_a_waiting_call(channel, waiting):
     """Before, close() waited for its turn behind a publish() or drain() that waited without
