@@ -49,8 +49,9 @@ inline std::chrono::milliseconds limit_in_ms(double seconds, const char* name) {
 // inside pybind11's noexcept gil_scoped_release destructor aborts the whole process: a
 // server's daemon thread waiting in next() did that at every exit (exit 134). So an atexit
 // hook, which runs while the interpreter is still whole, has every such thread park once its
-// current work ends (a wait asks PyWait within Deadline::kAskEvery, or a copy): it sleeps without the
-// GIL until the process is gone. The hook waits until all of them are parked or back.
+// current work ends (a wait asks PyWait within Deadline::kAskEvery, or a copy): it sleeps
+// without the GIL until the process is gone. The hook waits until all of them are parked or
+// back.
 class OutsideGil {
  public:
   // Runs work() without the GIL; at exit, parks instead of returning. Called with the GIL.
