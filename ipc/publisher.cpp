@@ -49,7 +49,7 @@ using Clock = std::chrono::steady_clock;
 
 // "pid 123", or "pid 123 (in another pid namespace)" when it is not one of ours.
 std::string describe(const ipc::ProcessLabel& process) {
-  auto text = message("pid ", process.pid);
+  std::string text = "pid " + std::to_string(process.pid);
   auto ours = ipc::pid_namespace();
   if (process.pid_namespace != 0 && ours != 0 && process.pid_namespace != ours) {
     text += " (in another pid namespace)";
@@ -172,7 +172,9 @@ struct detail::PublisherState {
   }
 
   // Words `blocker` into `waiting_for`, for a wait that timed out. Too few releases: a live
-  // consumer that still holds or has not read the bucket is named if there is one.
+  // consumer that still holds or has not read the bucket is named if there is one. Joined as
+  // strings, not streamed: a producer out of descriptors words it too, and a stream there trips
+  // UBSan's type check, which needs a pipe (a test runs out of them on purpose).
   void word_blocker() {
     bool attached = false;  // any live consumer
     for (std::uint32_t r = 0; r < ipc::kMaxConsumers && !blocker.record; ++r) {
@@ -188,15 +190,16 @@ struct detail::PublisherState {
       }
     }
     if (!blocker.record) {
-      waiting_for = message(attached ? "consumers" : "a consumer (none is attached)", " to release bucket ",
-                            blocker.bucket, " (min_consumers is ", options.min_consumers, "; ", blocker.releases,
-                            " did)");
+      waiting_for = (attached ? "consumers" : "a consumer (none is attached)") + std::string(" to release bucket ") +
+                    std::to_string(blocker.bucket) + " (min_consumers is " + std::to_string(options.min_consumers) +
+                    "; " + std::to_string(blocker.releases) + " did)";
       return;
     }
     auto& record = control->consumers[*blocker.record];
-    waiting_for = message("consumer ", describe(ipc::load_label(record.process)), " (record ", *blocker.record,
-                          "), which ", blocker.leased ? "still holds bucket " : "has not read bucket ", blocker.bucket,
-                          published_ago(blocker.slot));
+    waiting_for = "consumer " + describe(ipc::load_label(record.process)) + " (record " +
+                  std::to_string(*blocker.record) + "), which " +
+                  (blocker.leased ? "still holds bucket " : "has not read bucket ") + std::to_string(blocker.bucket) +
+                  published_ago(blocker.slot);
   }
 
   // ", published 2.5 s ago": how long a consumer may have held the bucket in slot `s` at most.
