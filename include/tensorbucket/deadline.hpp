@@ -7,8 +7,8 @@
 // milliseconds::max() (anything from 1e9 s, ~32 years) never ends, as Deadline::never().
 //
 // A wait sleeps in short slices (it rechecks its peers' liveness between them) and, between
-// two, asks `interrupted` (at most every kAskEvery): when it says true the wait ends as its
-// timeout would, with nothing done. That is how a signal, a close() from another thread or an
+// two, asks `interrupted` (at most every kAskEvery): once it says true, the wait ends as its
+// timeout would, with nothing done, and the deadline stays interrupted. That is how a signal, a close() from another thread or an
 // interpreter's exit stop a long wait, without the caller slicing it.
 //
 // Thread safety: a Deadline is used by one wait at a time (it remembers when it last asked).
@@ -28,7 +28,7 @@ class Deadline {
 
   // The longest a wait runs without asking `interrupted` again.
   static constexpr std::chrono::milliseconds kAskEvery{50};
-  // A timeout from which a wait never ends (as Python's `timeout=None` and a clock's range).
+  // From this timeout on (1e9 s, ~32 years, Python's limit too), a wait never ends.
   static constexpr std::chrono::seconds kForever{1'000'000'000};
 
   // `timeout` from now (after()). Implicit: a wait takes a timeout where it takes a Deadline.
