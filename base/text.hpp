@@ -4,6 +4,8 @@
 
 #include "base/private.hpp"
 
+#include <charconv>
+#include <concepts>
 #include <cstdint>
 #include <initializer_list>
 #include <ostream>
@@ -44,6 +46,24 @@ std::string message(const Parts&... parts) {
 template <class... Parts>
 [[noreturn]] void fail(ErrorCode code, const Parts&... parts) {
   throw Error(code, message(parts...));
+}
+
+// The text of strings and integers joined without a stream: for words made where a stream
+// cannot be (a producer out of descriptors words why it waits, and a stream there trips
+// UBSan's type check, which needs a pipe).
+inline void append(std::string& out, std::string_view part) { out += part; }
+template <std::integral Integer>
+  requires(!std::same_as<Integer, bool> && !std::same_as<Integer, char>)
+void append(std::string& out, Integer value) {
+  char digits[24];
+  auto end = std::to_chars(digits, digits + sizeof digits, value).ptr;
+  out.append(digits, end);
+}
+template <class... Parts>
+std::string joined(const Parts&... parts) {
+  std::string out;
+  (append(out, parts), ...);
+  return out;
 }
 
 // Problems of one kind ("missing" names), for an error that may list hundreds: its message

@@ -49,12 +49,9 @@ using Clock = std::chrono::steady_clock;
 
 // "pid 123", or "pid 123 (in another pid namespace)" when it is not one of ours.
 std::string describe(const ipc::ProcessLabel& process) {
-  std::string text = "pid " + std::to_string(process.pid);
   auto ours = ipc::pid_namespace();
-  if (process.pid_namespace != 0 && ours != 0 && process.pid_namespace != ours) {
-    text += " (in another pid namespace)";
-  }
-  return text;
+  bool foreign = process.pid_namespace != 0 && ours != 0 && process.pid_namespace != ours;
+  return text::joined("pid ", process.pid, foreign ? " (in another pid namespace)" : "");
 }
 
 }  // namespace
@@ -172,9 +169,8 @@ struct detail::PublisherState {
   }
 
   // Words `blocker` into `waiting_for`, for a wait that timed out. Too few releases: a live
-  // consumer that still holds or has not read the bucket is named if there is one. Joined as
-  // strings, not streamed: a producer out of descriptors words it too, and a stream there trips
-  // UBSan's type check, which needs a pipe (a test runs out of them on purpose).
+  // consumer that still holds or has not read the bucket is named if there is one. Joined, not
+  // streamed: a producer out of descriptors words it too (text::joined says why).
   void word_blocker() {
     bool attached = false;  // any live consumer
     for (std::uint32_t r = 0; r < ipc::kMaxConsumers && !blocker.record; ++r) {
@@ -190,16 +186,15 @@ struct detail::PublisherState {
       }
     }
     if (!blocker.record) {
-      waiting_for = (attached ? "consumers" : "a consumer (none is attached)") + std::string(" to release bucket ") +
-                    std::to_string(blocker.bucket) + " (min_consumers is " + std::to_string(options.min_consumers) +
-                    "; " + std::to_string(blocker.releases) + " did)";
+      waiting_for = text::joined(attached ? "consumers" : "a consumer (none is attached)", " to release bucket ",
+                                 blocker.bucket, " (min_consumers is ", options.min_consumers, "; ",
+                                 blocker.releases, " did)");
       return;
     }
     auto& record = control->consumers[*blocker.record];
-    waiting_for = "consumer " + describe(ipc::load_label(record.process)) + " (record " +
-                  std::to_string(*blocker.record) + "), which " +
-                  (blocker.leased ? "still holds bucket " : "has not read bucket ") + std::to_string(blocker.bucket) +
-                  published_ago(blocker.slot);
+    waiting_for = text::joined("consumer ", describe(ipc::load_label(record.process)), " (record ", *blocker.record,
+                               "), which ", blocker.leased ? "still holds bucket " : "has not read bucket ",
+                               blocker.bucket, published_ago(blocker.slot));
   }
 
   // ", published 2.5 s ago": how long a consumer may have held the bucket in slot `s` at most.
@@ -487,9 +482,6 @@ void validate(const PublisherOptions& options) {
   if (options.mode > 0777 || (options.mode & 0600) != 0600) {
     fail(ErrorCode::InvalidArgument, "mode 0", std::oct, options.mode,
          " must be permission bits that let the owner read and write");
-  }
-  if (!options.location.on_host() && options.location.device < 0) {
-    fail(ErrorCode::InvalidArgument, "CUDA device ", options.location.device, " is not a device ordinal");
   }
   if (options.policy != OverflowPolicy::Block && options.policy != OverflowPolicy::Latest) {
     fail(ErrorCode::InvalidArgument, "overflow policy ", static_cast<int>(options.policy), " is not block or latest");

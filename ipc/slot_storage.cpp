@@ -133,6 +133,9 @@ LocalExports& local_exports() {
 
 Home home_of(PayloadLocation location) {
   if (location.on_host()) return {};
+  if (location.device < 0) {
+    fail(ErrorCode::InvalidArgument, "CUDA device ", location.device, " is not a device ordinal");
+  }
   return {PayloadHome::kCuda, device_uuid(location.device)};
 }
 

@@ -42,8 +42,8 @@ inline std::optional<int> payload_device(PayloadLocation location) {
 }
 
 // How a channel's control block says where its payloads live: host shared memory, or a CUDA
-// device named by its UUID, which is looked up here (CudaUnavailable, DeviceNotVisible), before
-// the producer makes anything.
+// device named by its UUID, which is looked up here (InvalidArgument for a negative ordinal,
+// CudaUnavailable, DeviceNotVisible), before the producer makes anything.
 struct Home {
   PayloadHome home = PayloadHome::kHost;
   DeviceUuid device{};

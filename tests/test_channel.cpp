@@ -91,6 +91,18 @@ TEST_F(Channel, PublishTimesOutWhileNoSlotIsFree) {
   EXPECT_EQ(publisher.published(), 1u);
 }
 
+TEST_F(Channel, PublishTimeoutNamesTheReleasesMissing) {
+  Workload workload{.tensors = 2, .tensor_bytes = 64};
+  auto publisher = Publisher::create(channel, {.slots = 1, .min_consumers = 2});
+  ASSERT_TRUE(publisher.publish(cli::make_bucket(workload, 0).builder, 1s));
+  EXPECT_FALSE(publisher.publish(cli::make_bucket(workload, 1).builder, 50ms));
+  EXPECT_EQ(publisher.waiting_for(), "a consumer (none is attached) to release bucket 0 (min_consumers is 2; 0 did)");
+  auto subscriber = Subscriber::attach(channel, 1s);
+  subscriber.next(1s)->release();
+  EXPECT_FALSE(publisher.publish(cli::make_bucket(workload, 1).builder, 50ms));
+  EXPECT_EQ(publisher.waiting_for(), "consumers to release bucket 0 (min_consumers is 2; 1 did)");
+}
+
 TEST_F(Channel, LongestTimeoutWaitsWithoutLimit) {
   constexpr auto forever = std::chrono::milliseconds::max();
   Workload workload{.tensors = 2, .tensor_bytes = 64};

@@ -381,6 +381,14 @@ TEST_F(DeviceChannel, ProducerOnADeviceItCannotSeeCreatesNothing) {
   EXPECT_EQ(segments_of(channel), std::vector<std::string>{});
 }
 
+TEST_F(DeviceChannel, ProducerOnANegativeOrdinalCreatesNothing) {
+  auto message = expect_error(ErrorCode::InvalidArgument, [&] {
+    Publisher::create(channel, {.location = PayloadLocation::cuda(-1)});
+  });
+  EXPECT_NE(message.find("CUDA device -1 is not a device ordinal"), std::string::npos) << message;
+  EXPECT_EQ(segments_of(channel), std::vector<std::string>{});
+}
+
 TEST_F(DeviceChannel, FailedDriverCallsNameTheCallPublishNothingAndLeaveTheSlotUsable) {
   auto publisher = Publisher::create(channel, {.slots = 1, .location = PayloadLocation::cuda(0)});
   auto subscriber = Subscriber::attach(channel, 1s);
