@@ -48,7 +48,8 @@ at::ScalarType torch_type(DType dtype) {
 }
 
 at::Device device_of(PayloadLocation where) {
-  return where.on_host() ? at::Device(at::kCPU) : at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(where.device));
+  static const at::Device host(at::kCPU);  // made once: a Device validates what it is made of
+  return where.on_host() ? host : at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(where.device));
 }
 
 Shape shape_of(const at::Tensor& tensor) {
@@ -353,7 +354,7 @@ bool StagedTensors::add(const at::Tensor& tensor, const ManifestEntry& entry, Pa
     bytes_.push_back(bytes);
     lengths_.push_back(entry.byte_length);
     if (bytes != nullptr) {
-      holds_.push_back(tensor.unsafeGetTensorImpl()->unsafe_storage());
+      if (hold_ == Hold::Storages) holds_.push_back(tensor.unsafeGetTensorImpl()->unsafe_storage());
     } else if (entry.byte_length != 0) {  // an empty tensor copies nothing
       by_value_.emplace_back(index, tensor);
     }

@@ -81,6 +81,12 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
 // resize_(0)) frees the bytes under the copy, as it would under any reader.
 class StagedTensors {
  public:
+  // Whether add() holds each tensor's storage. Nothing, for a caller that keeps its lock
+  // from add() through the publish (the Python module, for a small bucket whose slot is free
+  // at once): nothing can drop or rebind its tensors meanwhile, and the counts stay put.
+  enum class Hold { Storages, Nothing };
+  explicit StagedTensors(Hold hold = Hold::Storages) noexcept : hold_(hold) {}
+
   // Checks `tensor` as the next entry of a layout (`entry`, of a channel at `where`) and holds
   // it: false, staging nothing, when it no longer fits (see fits()).
   [[nodiscard]] bool add(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation where = {});
@@ -92,6 +98,7 @@ class StagedTensors {
  private:
   friend bool publish_in_place(Publisher&, const BucketBuilder&, const StagedTensors&, const Deadline&,
                                CudaStream);
+  Hold hold_;
   std::vector<const void*> bytes_;     // each tensor's row-major bytes; null: copied by value
   std::vector<std::uint64_t> lengths_;  // each entry's byte_length, checked against the layout
   std::vector<c10::Storage> holds_;    // what keeps those bytes alive
