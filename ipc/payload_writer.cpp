@@ -35,10 +35,11 @@ void PayloadWriter::begin(ControlBlock& control, int locks, std::uint32_t s, std
   });
 }
 
-void PayloadWriter::zero_padding(std::span<const ManifestEntry> entries, std::span<std::byte> payload) const {
+void PayloadWriter::zero_padding(std::span<const ManifestEntry> entries, std::span<std::byte> payload,
+                                 bool streaming) const {
   if (device_) return;  // begin() zeroed it on the device
   detail::for_each_gap(entries, payload.size(), [&](std::uint64_t offset, std::uint64_t bytes) {
-    std::memset(payload.data() + offset, 0, bytes);
+    detail::zero_bytes(payload.data() + offset, bytes, streaming);
   });
 }
 

@@ -39,7 +39,8 @@ class PayloadWriter {
   // For a reservation, whose writer fills the entries: the padding between them zeroed (on a
   // device, begin() did it), so that no bytes of an older bucket travel in it. Only the
   // padding: zeroing a whole 256 MiB payload evicted the caches the handoff then needed.
-  void zero_padding(std::span<const ManifestEntry> entries, std::span<std::byte> payload) const;
+  // `streaming`: with streaming stores, as the entries are then written (fenced at commit).
+  void zero_padding(std::span<const ManifestEntry> entries, std::span<std::byte> payload, bool streaming) const;
 
   // Every entry of `bucket` into `payload`, and the padding zeroed on the host. InvalidArgument
   // for an entry declared for in-place writing.

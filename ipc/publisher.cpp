@@ -571,9 +571,10 @@ std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
   std::span<std::byte> payload{*base, payload_bytes};
   // Until the Reservation exists, whatever throws (an allocation) must leave the slot empty.
   try {
-    state_->writer.zero_padding(layout.manifest().entries, payload);
+    bool streaming = state_->writer.streams(payload);  // commit() fences the padding's stores too
+    state_->writer.zero_padding(layout.manifest().entries, payload, streaming);
     state_->reservation_open = true;
-    return Reservation(state_.get(), payload_bytes, layout.entry_spans(payload), state_->writer.streams(payload));
+    return Reservation(state_.get(), payload_bytes, layout.entry_spans(payload), streaming);
   } catch (...) {
     state_->reservation_open = false;
     state_->abandon();

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <unistd.h>
 #include <limits>
 #include <string_view>
 #include <utility>
@@ -58,6 +59,8 @@ class LargeCopies {
 
   // In-place writers, whose copies are not timed: streaming until measured otherwise.
   bool streaming() const noexcept { return state_.load(std::memory_order_relaxed) != kPlain; }
+  // Whether the environment asked for memcpy, which no payload then streams.
+  bool memcpy_asked() const noexcept { return memcpy_asked_; }
   const char* name() const noexcept {
     switch (state_.load(std::memory_order_relaxed)) {
       case kStreaming:
@@ -88,7 +91,10 @@ class LargeCopies {
     std::string_view routine = asked != nullptr ? asked : "";
     if (routine == "streaming") state_ = kStreaming;
     if (routine == "memcpy") state_ = kPlain;
+    memcpy_asked_ = routine == "memcpy";
   }
+
+  bool memcpy_asked_ = false;
 
   std::atomic<int> state_{kMeasuring};
   std::atomic<unsigned> turns_{0};
@@ -188,8 +194,24 @@ StreamLines widest() noexcept {
 
 const char* large_copies() noexcept { return LargeCopies::get().name(); }
 
+std::uint64_t streaming_from() noexcept {
+  static const std::uint64_t from = [] {
+    auto level2 = ::sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return level2 > 0 ? std::min<std::uint64_t>(static_cast<std::uint64_t>(level2) / 8 * 3, kStreamingBytes)
+                      : kStreamingBytes;
+  }();
+  return from;
+}
+
 bool streams(std::span<const std::byte> payload) noexcept {
-  return large(payload) && LargeCopies::get().streaming();
+  if (large(payload)) return LargeCopies::get().streaming();
+  return payload.size() >= streaming_from() && !LargeCopies::get().memcpy_asked();
+}
+
+void zero_bytes(std::byte* destination, std::size_t bytes, bool streaming) noexcept {
+  static constexpr std::array<std::byte, 4096> kZeros{};  // padding is under 256 bytes
+  if (streaming && bytes <= kZeros.size()) return copy_bytes(destination, kZeros.data(), bytes, true);
+  std::memset(destination, 0, bytes);
 }
 
 void copy_bytes(std::byte* destination, const std::byte* source, std::size_t bytes,
@@ -291,11 +313,11 @@ void pack(const BucketBuilder& bucket, std::span<std::byte> payload, NearEnd* ne
   }
   auto payload_bytes = bucket.payload_bytes();
   payload = payload.first(payload_bytes);
-  auto turn = large(payload) ? LargeCopies::get().next() : LargeCopies::Turn{};
+  auto turn = large(payload) ? LargeCopies::get().next() : LargeCopies::Turn{streams(payload), false};
   bool streaming = turn.streaming;
   auto started = turn.trial ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
   EntryCopier copier(payload, streaming, near_end);
-  auto zero = [&](std::uint64_t offset, std::uint64_t bytes) { std::memset(payload.data() + offset, 0, bytes); };
+  auto zero = [&](std::uint64_t offset, std::uint64_t bytes) { zero_bytes(payload.data() + offset, bytes, streaming); };
   walk_payload(entries, payload_bytes, zero, [&](std::size_t i) {
     // Null: declared for in-place writing and empty (refused above otherwise).
     if (sources[i] != nullptr) copier.copy(payload.subspan(entries[i].byte_offset, entries[i].byte_length), sources[i]);

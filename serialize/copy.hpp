@@ -10,6 +10,9 @@
 // loop now reads several pages in turn with the CPU's widest stores, which beat it there
 // (issue 43). Neither is fixed: a process times its first large packs with each and keeps the
 // faster (large_copies()).
+//
+// Smaller payloads stream without timing from streaming_from(): a copy timed alone does not
+// see what memcpy leaves behind (see there).
 #pragma once
 
 #include "base/private.hpp"
@@ -28,9 +31,23 @@ namespace tensorbucket::detail {
 
 inline constexpr std::uint64_t kStreamingBytes = 4u << 20;  // a payload past 4 MiB
 
-// Whether copies into `payload` should stream: large enough, and streaming is this host's way
-// (or not yet measured against memcpy).
+// Whether copies into `payload` should stream: from streaming_from() bytes, and past
+// kStreamingBytes when streaming is this host's way (or not yet measured against memcpy).
 bool streams(std::span<const std::byte> payload) noexcept;
+
+// The payload size from which copies stream without being timed: 3/8 of this core's L2 cache
+// as the OS reports it (kStreamingBytes where it reports none). From there memcpy's sources
+// and destination together fill more than 3/4 of the L2, so its destination lines, read for
+// ownership, leave it dirty during the copy or soon after, and their write-back lands on what
+// runs next. Timed alone, memcpy copied 1000 x 1 KiB faster; a whole handoff took 59-61 us
+// streaming against 70-74 us with memcpy (an Intel Xeon with 2 MiB of L2; 768 KiB payloads
+// went the other way, 48 against 42 us: bench/RESULTS.md, issue 43).
+// TENSORBUCKET_LARGE_COPIES=memcpy turns it off too.
+std::uint64_t streaming_from() noexcept;
+
+// Zeroes `bytes` at `destination` (padding), with streaming stores when `streaming`: ordinary
+// stores in between a streamed payload's lines cost the handoff more than the zeroes.
+void zero_bytes(std::byte* destination, std::size_t bytes, bool streaming) noexcept;
 
 // How payloads past kStreamingBytes are copied in this process: "streaming" or "memcpy" once
 // chosen, "measuring" before. The first 2 x kCopyTrials packs of such payloads alternate the

@@ -307,6 +307,37 @@ TEST(Copy, StreamingCopiesEveryByteAtAnyAlignmentAndNothingElse) {
   }
 }
 
+// Payloads from streaming_from() up to kStreamingBytes stream untimed, padding included: the
+// bytes of 896-byte entries (128 bytes of padding after each) and zeroes between them, over a
+// payload that held other bytes.
+TEST(Copy, MidSizePayloadsStreamEntriesAndPadding) {
+  constexpr std::int64_t kTensorBytes = 896;
+  auto from = detail::streaming_from();
+  ASSERT_LE(from, detail::kStreamingBytes);
+  auto count = std::max<std::uint64_t>(from / 1024 + 1, 2);
+  std::vector<std::vector<std::byte>> tensors;
+  BucketBuilder builder;
+  for (std::uint64_t t = 0; t < count; ++t) {
+    tensors.emplace_back(kTensorBytes, static_cast<std::byte>(t % 250 + 1));
+    builder.add("t" + std::to_string(t), DType::U8, {kTensorBytes}, tensors.back().data());
+  }
+  AlignedBuffer payload(builder.payload_bytes());
+  if (from < detail::kStreamingBytes && std::getenv("TENSORBUCKET_LARGE_COPIES") == nullptr) {
+    EXPECT_GE(builder.payload_bytes(), from);
+    EXPECT_LT(builder.payload_bytes(), detail::kStreamingBytes);
+    EXPECT_TRUE(detail::streams(payload.span()));
+  }
+  std::fill(payload.span().begin(), payload.span().end(), std::byte{0xee});
+  builder.pack_into(payload.span());
+  const auto& entries = builder.manifest().entries;
+  std::vector<std::byte> expected(builder.payload_bytes());
+  for (std::size_t t = 0; t < entries.size(); ++t) {
+    ASSERT_EQ(entries[t].byte_offset % 1024, 0u);  // 128 bytes of padding after each
+    std::copy(tensors[t].begin(), tensors[t].end(), expected.begin() + static_cast<std::ptrdiff_t>(entries[t].byte_offset));
+  }
+  EXPECT_TRUE(std::equal(expected.begin(), expected.end(), payload.span().begin()));
+}
+
 // Payloads past kStreamingBytes: the first packs alternate streaming and memcpy, timed, and the
 // process keeps the faster. Every pack, a trial or not, copies the same bytes and zeroes the
 // padding between entries.

@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "channel_support.hpp"
+#include "serialize/copy.hpp"
 #include "support.hpp"
 
 namespace tensorbucket {
@@ -287,6 +288,33 @@ TEST_F(Channel, ReservationPaddingCarriesNoOlderBytes) {
   ASSERT_TRUE(bucket.has_value());
   const auto* start = bucket->view()[0].bytes.data();
   for (std::size_t i = 8; i < 256; ++i) ASSERT_EQ(start[i], std::byte{0}) << "padding byte " << i;
+}
+
+// The same for a payload whose copies stream (detail::streaming_from()), its padding
+// zeroed with streaming stores too: 896-byte entries leave 128 bytes after each.
+TEST_F(Channel, StreamedReservationPaddingCarriesNoOlderBytes) {
+  auto publisher = Publisher::create(channel, {.slots = 1});
+  auto subscriber = Subscriber::attach(channel, 1s);
+  auto count = static_cast<std::uint32_t>(detail::streaming_from() / 1024 + 1);
+  ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = count, .tensor_bytes = 1024}, 0).builder, 1s));
+  next_bucket(subscriber, 1s).release();
+  Workload workload{.tensors = count, .tensor_bytes = 896};
+  auto filled = cli::make_bucket(workload, 1);
+  auto packed = filled.builder.pack();
+  auto source = BucketView::open(packed.frame, packed.payload.span());
+  auto reservation = publisher.reserve(cli::make_layout(workload, 1), 1s);
+  ASSERT_TRUE(reservation.has_value());
+  std::vector<const void*> sources;
+  for (std::size_t t = 0; t < source.size(); ++t) sources.push_back(source[t].bytes.data());
+  reservation->write_all(sources);
+  reservation->commit();
+  auto bucket = subscriber.next(1s);
+  ASSERT_TRUE(bucket.has_value());
+  EXPECT_EQ(cli::check_bucket(bucket->view(), workload.seed, 1), "");
+  const auto* start = bucket->view()[0].bytes.data();
+  for (std::size_t t = 0; t < count; ++t) {
+    for (std::size_t i = 896; i < 1024; ++i) ASSERT_EQ(start[t * 1024 + i], std::byte{0}) << "entry " << t << " byte " << i;
+  }
 }
 
 TEST_F(Channel, AbandonedReservationPublishesNothing) {
