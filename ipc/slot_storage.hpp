@@ -53,6 +53,10 @@ Home home_of(PayloadLocation location);
 inline PayloadLocation::Kind kind_of(PayloadHome home) {
   return home == PayloadHome::kHost ? PayloadLocation::Kind::Host : PayloadLocation::Kind::Cuda;
 }
+// Where payloads of `kind` live, in words: "in host memory", "on a CUDA device".
+inline const char* where_payloads_live(PayloadLocation::Kind kind) {
+  return kind == PayloadLocation::Kind::Host ? "in host memory" : "on a CUDA device";
+}
 // Where payloads of `home` are in this process: the host, or its ordinal of the device
 // (DeviceNotVisible when it sees none).
 PayloadLocation location_of(const Home& home);

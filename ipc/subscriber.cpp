@@ -477,8 +477,7 @@ std::shared_ptr<detail::SubscriberState> attach_state(std::string_view channel, 
   const auto& expected = options.expected_location;
   if (expected && *expected != kind) {
     fail(ErrorCode::LocationMismatch, "channel ", Quoted{channel}, " carries its payloads ",
-         kind == PayloadLocation::Kind::Host ? "in host memory" : "on a CUDA device", ", not ",
-         *expected == PayloadLocation::Kind::Host ? "in host memory" : "on a CUDA device", " as asked");
+         ipc::where_payloads_live(kind), ", not ", ipc::where_payloads_live(*expected), " as asked");
   }
   ipc::Home where_home{payload_home, control->device};  // one copy
   auto where = ipc::location_of(where_home);
