@@ -73,6 +73,18 @@ void for_each_item(const py::handle& tensors, Visit&& visit) {
   for (auto item : py::reinterpret_borrow<py::iterable>(tensors)) visit_pair(item.ptr(), visit);
 }
 
+// `tensors` as something for_each_item() can read more than once: a one-shot iterable (a
+// generator of pairs) read into a list, anything else as it is (what for_each_item() refuses
+// is left for it to refuse). A publish may read the items twice: once to check them against
+// the kept layout, again to lay them out afresh or to stage them for a wait.
+inline py::object readable_twice(const py::handle& tensors) {
+  PyObject* all = tensors.ptr();
+  bool again = PyDict_Check(all) || PyList_Check(all) || PyTuple_Check(all) || py::hasattr(tensors, "items") ||
+               is_tensor(tensors) || PyUnicode_Check(all) || !py::isinstance<py::iterable>(tensors);
+  if (again) return py::reinterpret_borrow<py::object>(tensors);
+  return py::list(py::reinterpret_borrow<py::object>(tensors));
+}
+
 // The tensor a Python object holds; InvalidArgument naming the entry otherwise.
 inline const at::Tensor& tensor_of(const py::handle& value, const std::string& name) {
   if (!is_tensor(value)) {

@@ -50,9 +50,10 @@ class PyPublisher {
   // goes straight to the copy, whose check of every tensor against the layout refuses (with
   // ManifestMismatch, before anything is reserved) when one changed; any other call checks
   // everything and keeps its layout instead.
-  void publish(const py::handle& tensors, std::uint64_t version, std::uint32_t bucket_index,
+  void publish(const py::handle& given, std::uint64_t version, std::uint32_t bucket_index,
                std::uint32_t bucket_count, const py::handle& groups,
                std::optional<double> timeout) {
+    auto tensors = readable_twice(given);
     PyWait wait(timeout);
     auto turn = take_turn(turn_, wait);
     if (!turn) throw turn_taken();

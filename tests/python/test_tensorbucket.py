@@ -930,6 +930,28 @@ def test_errors_are_also_the_builtins_a_python_user_catches(channel):
         assert str(gone.value).startswith("producer of channel") and gone.value.code == "ProducerGone"
 
 
+def test_a_generator_of_pairs_arrives_whole_when_the_publish_waits(channel):
+    """A publish may read its items twice (checked against the kept layout, then staged for a
+    wait, or laid out afresh): a generator is read once, into a list."""
+    weights = {f"w{i}": torch.full((4,), float(i)) for i in range(3)}
+    with tensorbucket.Publisher(channel, slots=1) as publisher:
+        with tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+            publisher.publish(((name, t) for name, t in weights.items()), version=0)
+            held = subscriber.next(timeout=5)
+            releaser = threading.Timer(0.2, held.release)
+            releaser.start()
+            publisher.publish(((name, t + 10) for name, t in weights.items()), version=1, timeout=5)
+            releaser.join()
+            with subscriber.next(timeout=5) as bucket:
+                assert bucket.version == 1
+                assert sorted(bucket.keys()) == sorted(weights)
+                for name, t in weights.items():
+                    assert torch.equal(bucket[name], t + 10), name
+            publisher.publish(((name + "x", t) for name, t in weights.items()), version=2, timeout=5)
+            with subscriber.next(timeout=5) as bucket:
+                assert sorted(bucket.keys()) == sorted(name + "x" for name in weights)
+
+
 def test_a_publish_timeout_names_what_held_it_back(channel):
     with tensorbucket.Publisher(channel, slots=1) as publisher:
         publisher.publish({"w": torch.ones(2)})
