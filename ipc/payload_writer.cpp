@@ -62,20 +62,18 @@ void PayloadWriter::write_bucket(const BucketBuilder& bucket, std::span<std::byt
   copy_batch(copies.data(), copies.size(), stream_);
 }
 
-void PayloadWriter::write_entry(std::span<std::byte> to, const void* from, bool streaming,
-                                detail::NearEnd& near_end) const {
-  if (!device_) return detail::copy_paced(to.data(), static_cast<const std::byte*>(from), to.size(), streaming, near_end);
+void PayloadWriter::write_entry(std::span<std::byte> to, const void* from, detail::EntryCopier& host) const {
+  if (!device_) return host.copy(to, static_cast<const std::byte*>(from));
   DeviceCopy copy{address(to.data()), address(from), to.size()};
   DeviceScope scope(*device_);
   check_device(device_api().copy(&copy, 1, stream_), "cuMemcpyAsync");
 }
 
 void PayloadWriter::write_entries(std::span<const std::span<std::byte>> to, std::span<const void* const> sources,
-                                  std::span<std::byte> payload, bool streaming, detail::NearEnd& near_end) const {
-  if (!device_) {  // as pack() copies, the lines ahead asked for
-    detail::EntryCopier copier(payload, streaming, &near_end);
+                                  detail::EntryCopier& host) const {
+  if (!device_) {
     for (std::size_t i = 0; i < sources.size(); ++i) {
-      if (sources[i] != nullptr) copier.copy(to[i], static_cast<const std::byte*>(sources[i]));
+      if (sources[i] != nullptr) host.copy(to[i], static_cast<const std::byte*>(sources[i]));
     }
     return;
   }

@@ -50,10 +50,10 @@ class PayloadWriter {
   bool streams(std::span<const std::byte> payload) const noexcept { return !device_ && detail::streams(payload); }
 
   // `from` into entry span `to` (Reservation::write), or each of `sources` into its span of
-  // `to`, null ones skipped (Reservation::write_all). `streaming`: the host copies' stores.
-  void write_entry(std::span<std::byte> to, const void* from, bool streaming, detail::NearEnd& near_end) const;
+  // `to`, null ones skipped (Reservation::write_all). `host`: the reservation's host copier.
+  void write_entry(std::span<std::byte> to, const void* from, detail::EntryCopier& host) const;
   void write_entries(std::span<const std::span<std::byte>> to, std::span<const void* const> sources,
-                     std::span<std::byte> payload, bool streaming, detail::NearEnd& near_end) const;
+                     detail::EntryCopier& host) const;
 
   // The payload's hash, for the header: xxh3-64 on the host; on a device the block hash
   // (docs/format.md), computed there after the writing, the one wait for the device.

@@ -644,23 +644,30 @@ OverflowPolicy parse_overflow_policy(std::string_view text) {
   fail(ErrorCode::InvalidArgument, "overflow policy ", Quoted{text}, " is not block or latest");
 }
 
+namespace detail {
+
+struct ReservationWriting {
+  ReservationWriting(std::span<std::byte> payload, bool streaming, NearEnd near_end)
+      : near_end(std::move(near_end)), copier(payload, streaming, &this->near_end) {}
+  NearEnd near_end;
+  EntryCopier copier;  // points at near_end
+};
+
+}  // namespace detail
+
 Reservation::Reservation(detail::PublisherState* state, std::uint64_t payload_bytes,
                          std::vector<std::span<std::byte>> spans, bool streaming)
-    : state_(state),
-      payload_bytes_(payload_bytes),
-      spans_(std::move(spans)),
-      streaming_(streaming) {
+    : state_(state), payload_bytes_(payload_bytes), spans_(std::move(spans)) {
   std::uint64_t entry_bytes = 0;
   for (const auto& span : spans_) entry_bytes += span.size();
-  near_end_ = std::make_unique<detail::NearEnd>(state->wake_near_end(entry_bytes));
+  writing_ = std::make_unique<detail::ReservationWriting>(payload(), streaming, state->wake_near_end(entry_bytes));
 }
 
 Reservation::Reservation(Reservation&& other) noexcept
     : state_(std::exchange(other.state_, nullptr)),
       payload_bytes_(other.payload_bytes_),
       spans_(std::move(other.spans_)),
-      streaming_(other.streaming_),
-      near_end_(std::move(other.near_end_)) {}
+      writing_(std::move(other.writing_)) {}
 
 void Reservation::write(std::size_t index, const void* data) {
   if (state_ == nullptr) fail(ErrorCode::InvalidArgument, "reservation was already committed");
@@ -670,7 +677,7 @@ void Reservation::write(std::size_t index, const void* data) {
   if (index >= spans_.size()) {
     fail(ErrorCode::InvalidArgument, "entry ", index, " is past the last of ", spans_.size());
   }
-  state_->writer.write_entry(spans_[index], data, streaming_, *near_end_);
+  state_->writer.write_entry(spans_[index], data, writing_->copier);
 }
 
 void Reservation::write_all(std::span<const void* const> sources) {
@@ -679,7 +686,7 @@ void Reservation::write_all(std::span<const void* const> sources) {
   if (sources.size() != spans_.size()) {
     fail(ErrorCode::InvalidArgument, sources.size(), " sources were given for ", spans_.size(), " entries");
   }
-  state_->writer.write_entries(spans_, sources, payload(), streaming_, *near_end_);
+  state_->writer.write_entries(spans_, sources, writing_->copier);
 }
 
 PayloadLocation Reservation::location() const noexcept {
@@ -695,7 +702,7 @@ Reservation::~Reservation() {
 void Reservation::commit(HandoverFrom from) {
   if (state_ == nullptr) fail(ErrorCode::InvalidArgument, "reservation was already committed");
   state_->refuse_if_forked();
-  if (streaming_) detail::finish_streaming();
+  if (writing_->copier.streaming()) detail::finish_streaming();
   auto* state = std::exchange(state_, nullptr);
   state->reservation_open = false;
   // reserve() stamped the start; writing the slot in place is the caller's own work unless

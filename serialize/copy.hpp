@@ -102,13 +102,15 @@ void copy_paced(std::byte* destination, const std::byte* source, std::size_t byt
 // Copies a payload's entries one at a time, in payload order, as pack() does: a small entry in
 // one memcpy, with the lines of the entries after it asked for writing ahead of the copy; a
 // large one in kPaceBytes pieces told to `near_end` (when given). Streaming stores need
-// finish_streaming() after the last. What pack() and Reservation::write_all() share.
+// finish_streaming() after the last. What pack() and a reservation's writes share (one copier from
+// its first write to its last, so that writing entry by entry costs what write_all() does).
 class EntryCopier {
  public:
   EntryCopier(std::span<std::byte> payload, bool streaming, NearEnd* near_end) noexcept
       : payload_(payload), streaming_(streaming), near_end_(near_end) {}
   // `to`: the entry's bytes, within the payload.
   void copy(std::span<std::byte> to, const std::byte* from) noexcept;
+  bool streaming() const noexcept { return streaming_; }
 
  private:
   std::span<std::byte> payload_;

@@ -63,7 +63,7 @@
 namespace tensorbucket {
 namespace detail {
 struct PublisherState;
-class NearEnd;
+struct ReservationWriting;
 struct SubscriberState;
 struct Lease;
 }  // namespace detail
@@ -217,8 +217,9 @@ class Reservation {
   detail::PublisherState* state_;  // null once committed or moved from
   std::uint64_t payload_bytes_;
   std::vector<std::span<std::byte>> spans_;
-  bool streaming_;  // write() streams; commit() then fences
-  std::unique_ptr<detail::NearEnd> near_end_;  // wakes the consumers when write() is nearly done
+  // The host copies' state from one write() to the next: streaming stores (fenced at commit()),
+  // the lines asked for ahead, and the pace that wakes the consumers when it is nearly done.
+  std::unique_ptr<detail::ReservationWriting> writing_;
 };
 
 // Now on CLOCK_MONOTONIC, in nanoseconds: the clock of the channel's timestamps

@@ -694,6 +694,28 @@ def test_each_publish_sends_the_current_tensors_whatever_changed(channel):
         assert list(bucket) == ["w2", "b"]
 
 
+def test_a_change_found_after_earlier_tensors_were_copied_loses_no_bucket(channel):
+    """A small publish of the kept layout copies each tensor as it checks it: one that no longer
+    fits, late in the dict, drops that slot's copy and the call lays out afresh. The bucket
+    before, not yet read, still arrives, then the new one, whole."""
+    weights = {f"w{i}": torch.full((4,), float(i)) for i in range(8)}
+    with tensorbucket.Publisher(channel, slots=2) as publisher:
+        with tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+            publisher.publish(weights, version=0)
+            publisher.publish(weights, version=1)
+            with subscriber.next(timeout=5) as bucket:
+                assert bucket.version == 0
+            changed = dict(weights, w7=torch.full((5,), 70.0))
+            publisher.publish(changed, version=2, timeout=5)
+            for version, sent in ((1, weights), (2, changed)):
+                with subscriber.next(timeout=5) as bucket:
+                    assert bucket.version == version
+                    assert list(bucket) == list(sent)
+                    for name, tensor in sent.items():
+                        assert torch.equal(bucket[name], tensor), (version, name)
+            assert publisher.published == 3
+
+
 def test_parameters_and_tensor_subclasses_are_sent_by_value(channel):
     """A trainer's own parameters (named_parameters(), state_dict(keep_vars=True)) and Tensor
     subclasses, wrappers included, go out as their values, on the first publish and through the
