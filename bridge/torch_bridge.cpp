@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <sstream>
 
@@ -199,20 +200,34 @@ void prefetch_storage(const at::Tensor& tensor) {
   __builtin_prefetch(tensor.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
 }
 
-// What a view's storage holds on to: the bucket (and its lease) until the storage dies.
-void release_keep_alive(void* keep_alive) { delete static_cast<std::shared_ptr<const void>*>(keep_alive); }
+}  // namespace
 
-// A tensor over `bytes` of `entry` on `device`, with `keep_alive` released when its storage
-// dies. Built from its parts rather than through from_blob, which costs ~2x as much per tensor
-// (a std::function deleter, a sizes vector, a device guard): a bucket may hold 1000 entries.
-at::Tensor view_of(const ManifestEntry& entry, std::span<const std::byte> bytes,
-                   std::shared_ptr<const void> keep_alive, at::Device device = at::kCPU) {
+// What the views of one bucket hold on to: the bucket (and its lease) until the last of them,
+// and whoever makes them, let go. Counted by hand, as a view's storage holds a plain pointer:
+// each view adds one rather than allocating a hold of its own.
+struct SharedHold {
+  std::atomic<std::size_t> count{1};  // its maker's
+  std::shared_ptr<const void> bucket;
+};
+
+namespace {
+
+void let_go(void* hold) {
+  auto* shared = static_cast<SharedHold*>(hold);
+  if (shared->count.fetch_sub(1, std::memory_order_acq_rel) == 1) delete shared;
+}
+
+// A tensor over `bytes` of `entry` on `device`, holding `hold` (when not null) until its
+// storage dies. Built from its parts rather than through from_blob, which costs ~2x as much
+// per tensor (a std::function deleter, a sizes vector, a device guard): a bucket may hold 1000
+// entries.
+at::Tensor view_of(const ManifestEntry& entry, std::span<const std::byte> bytes, SharedHold* hold,
+                   at::Device device = at::kCPU) {
   auto type = scalar_type_of(entry.dtype, entry.name);
   // The memory is the producer's and read-only (header); DataPtr wants a mutable pointer.
   auto* data = const_cast<std::byte*>(bytes.data());
-  auto data_ptr = keep_alive ? c10::DataPtr(data, new std::shared_ptr<const void>(std::move(keep_alive)),
-                                            &release_keep_alive, device)
-                             : c10::DataPtr(data, device);
+  if (hold != nullptr) hold->count.fetch_add(1, std::memory_order_relaxed);  // the DataPtr lets go, whatever throws
+  auto data_ptr = hold != nullptr ? c10::DataPtr(data, hold, &let_go, device) : c10::DataPtr(data, device);
   c10::Storage storage(c10::Storage::use_byte_size_t(), bytes.size(), std::move(data_ptr),
                        /*allocator=*/nullptr, /*resizable=*/false);
   auto key = device.is_cuda() ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
@@ -232,13 +247,13 @@ void copy_into(const at::Tensor& target, const ManifestEntry& entry, std::span<c
   }
 }
 
-NamedTensors views_of(const BucketView& view, const std::shared_ptr<const void>& keep_alive) {
+NamedTensors views_of(const BucketView& view, SharedHold* hold) {
   NamedTensors out;
   out.reserve(view.size());
   auto device = device_of(view.location());
   for (std::size_t i = 0; i < view.size(); ++i) {
     const auto& entry = view.manifest().entries[i];
-    out.emplace_back(entry.name, view_of(entry, view[i].bytes, keep_alive, device));
+    out.emplace_back(entry.name, view_of(entry, view[i].bytes, hold, device));
   }
   return out;
 }
@@ -456,17 +471,26 @@ bool publish_in_place(Publisher& publisher, const NamedTensors& tensors,
   return publish_in_place(publisher, layout, in_order, deadline, stream);
 }
 
-NamedTensors tensors(std::shared_ptr<const ReceivedBucket> bucket) {
-  const auto& view = bucket->view();
-  return views_of(view, std::move(bucket));
+BucketViews::BucketViews(std::shared_ptr<const ReceivedBucket> bucket)
+    : bucket_(bucket.get()), device_(device_of(bucket->view().location())), hold_(new SharedHold) {
+  hold_->bucket = std::move(bucket);
 }
+
+BucketViews::~BucketViews() { let_go(hold_); }
+
+at::Tensor BucketViews::operator[](std::size_t index) const {
+  const auto& view = bucket_->view();
+  return view_of(view.manifest().entries.at(index), view[index].bytes, hold_, device_);
+}
+
+NamedTensors BucketViews::all() const { return views_of(bucket_->view(), hold_); }
+
+NamedTensors tensors(std::shared_ptr<const ReceivedBucket> bucket) { return BucketViews(std::move(bucket)).all(); }
 
 NamedTensors tensors(const BucketView& view) { return views_of(view, nullptr); }
 
 at::Tensor tensor(std::shared_ptr<const ReceivedBucket> bucket, std::size_t index) {
-  const auto& view = bucket->view();
-  auto device = device_of(view.location());
-  return view_of(view.manifest().entries.at(index), view[index].bytes, std::move(bucket), device);
+  return BucketViews(std::move(bucket))[index];
 }
 
 Manifest manifest_of(const NamedTensors& tensors) {

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <thread>
+#include <vector>
 
 #include "support.hpp"
 #include "tensorbucket/torch.hpp"
@@ -276,6 +278,37 @@ TEST(TorchBridge, ViewsShareSharedMemoryAndHoldTheSlot) {
   // The last view still holds the lease: the only slot cannot be reused.
   EXPECT_FALSE(publisher.publish(bucket.builder, 30ms));
   w = at::Tensor();
+  EXPECT_TRUE(publisher.publish(bucket.builder, 1s));
+}
+
+// Views made one at a time share one hold: the slot stays leased while the maker or any view
+// lives, wherever the last one dies (here on other threads), and is free after.
+TEST(TorchBridge, ViewsMadeOneAtATimeHoldTheSlotUntilTheLastDies) {
+  auto channel = channel_for_test();
+  auto publisher = Publisher::create(channel, {.slots = 1});
+  auto subscriber = Subscriber::attach(channel, 1s);
+  NamedTensors sent{{"a", torch::arange(8, at::kFloat)}, {"b", torch::arange(3, at::kLong)}};
+  auto bucket = torch_bridge::make_bucket(sent);
+  ASSERT_TRUE(publisher.publish(bucket.builder, 1s));
+  auto next = subscriber.next(1s);
+  ASSERT_TRUE(next.has_value());
+  std::vector<at::Tensor> views;
+  {
+    torch_bridge::BucketViews made(std::make_shared<const ReceivedBucket>(std::move(*next)));
+    EXPECT_THROW((void)made[2], std::out_of_range);
+    for (int round = 0; round < 50; ++round) views.push_back(made[round % 2]);
+    EXPECT_FALSE(publisher.publish(bucket.builder, 30ms));  // the maker and the views hold it
+  }
+  EXPECT_FALSE(publisher.publish(bucket.builder, 30ms));  // the views alone
+  for (std::size_t i = 0; i < views.size(); ++i) EXPECT_TRUE(torch::equal(views[i], sent[i % 2].second)) << i;
+  std::vector<std::thread> letting_go;
+  for (int t = 0; t < 2; ++t) {
+    letting_go.emplace_back([mine = std::vector<at::Tensor>(views.begin() + t * 25, views.begin() + (t + 1) * 25)]() mutable {
+      mine.clear();
+    });
+  }
+  views.clear();
+  for (auto& thread : letting_go) thread.join();
   EXPECT_TRUE(publisher.publish(bucket.builder, 1s));
 }
 

@@ -116,6 +116,26 @@ bool fits(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation 
 
 // Zero-copy views of every entry, in manifest order, that keep `bucket` leased while they live.
 NamedTensors tensors(std::shared_ptr<const ReceivedBucket> bucket);
+// Views of one received bucket made as a reader asks for them, all holding the bucket by one
+// hold: a view adds to its count instead of allocating a hold of its own (a tenth of making
+// 1000 views from Python). The bucket stays leased while this or any view it made lives.
+struct SharedHold;
+class BucketViews {
+ public:
+  explicit BucketViews(std::shared_ptr<const ReceivedBucket> bucket);
+  BucketViews(const BucketViews&) = delete;
+  BucketViews& operator=(const BucketViews&) = delete;
+  ~BucketViews();
+  // The view of entry `index`; std::out_of_range past the last.
+  at::Tensor operator[](std::size_t index) const;
+  // Every view, in manifest order, as tensors() makes them.
+  NamedTensors all() const;
+
+ private:
+  const ReceivedBucket* bucket_;
+  at::Device device_;
+  SharedHold* hold_;  // holds the bucket
+};
 // The view of entry `index` alone (std::out_of_range past the last), for readers that take
 // tensors one by one.
 at::Tensor tensor(std::shared_ptr<const ReceivedBucket> bucket, std::size_t index);

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string_view>
 #include <vector>
@@ -18,18 +19,51 @@ namespace tensorbucket::python {
 
 namespace py = pybind11;
 
+// The entries' names as Python str, kept per bucket index from one bucket to the next and
+// shared by the buckets of one subscriber: a producer resends the same names every step, and
+// making 1000 str objects was an eighth of a bucket's tensors(). A kept name is compared
+// with the entry's before it is reused. Used with the GIL.
+class EntryNames {
+ public:
+  const std::vector<py::object>& of(const std::vector<ManifestEntry>& entries, std::uint32_t bucket_index) {
+    if (bucket_index >= kKeptBuckets) bucket_index = kKeptBuckets;  // the last one: names not kept for long
+    if (kept_.size() <= bucket_index) kept_.resize(bucket_index + 1);
+    auto& names = kept_[bucket_index];
+    names.resize(entries.size());
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      if (!names[i] || !same(names[i], entries[i].name)) names[i] = py::str(entries[i].name);
+    }
+    return names;
+  }
+
+ private:
+  static constexpr std::uint32_t kKeptBuckets = 64;
+  static bool same(const py::object& name, std::string_view text) {
+    Py_ssize_t size = 0;
+    const char* utf8 = PyUnicode_AsUTF8AndSize(name.ptr(), &size);  // a compact ASCII str's own bytes
+    if (utf8 == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    return static_cast<std::size_t>(size) == text.size() && std::memcmp(utf8, text.data(), text.size()) == 0;
+  }
+  std::vector<std::vector<py::object>> kept_;  // by bucket index
+};
+
 // A received bucket, read as a mapping {name: tensor} whose zero-copy views are made on first
 // access: most of a small handoff's cost in Python was making 1000 tensor objects nobody had
 // asked for yet. Each view keeps the lease, so it outlives release() and the Bucket.
 class PyBucket {
  public:
-  explicit PyBucket(ReceivedBucket bucket) : PyBucket(std::make_shared<const ReceivedBucket>(std::move(bucket))) {}
+  // `names`: the subscriber's, shared by the buckets it hands out.
+  PyBucket(ReceivedBucket bucket, std::shared_ptr<EntryNames> names)
+      : PyBucket(std::make_shared<const ReceivedBucket>(std::move(bucket)), std::move(names)) {}
   // One bucket of an update, which this keeps whole while it lives.
-  explicit PyBucket(std::shared_ptr<const ReceivedBucket> held)
-      : PyBucket(*held, held) {}
+  PyBucket(std::shared_ptr<const ReceivedBucket> held, std::shared_ptr<EntryNames> names)
+      : PyBucket(*held, held, std::move(names)) {}
 
  private:
-  PyBucket(const ReceivedBucket& bucket, std::shared_ptr<const ReceivedBucket> held)
+  PyBucket(const ReceivedBucket& bucket, std::shared_ptr<const ReceivedBucket> held, std::shared_ptr<EntryNames> names)
       : version_(bucket.view().version()),
         bucket_index_(bucket.view().bucket_index()),
         bucket_count_(bucket.view().bucket_count()),
@@ -40,6 +74,7 @@ class PyBucket {
         received_ns_(monotonic_ns()),
         size_(bucket.view().size()),
         bucket_(std::move(held)),
+        names_(std::move(names)),
         views_(size_) {}
 
  public:
@@ -55,14 +90,16 @@ class PyBucket {
   }
   py::list keys() const {
     py::list out;
-    for (const auto& entry : live()->view().manifest().entries) out.append(py::str(entry.name));
+    for (const auto& name : names()) out.append(name);
     return out;
   }
   // Every view at once, as a dict.
   py::dict tensors() {
     py::dict out;
-    const auto& entries = live()->view().manifest().entries;
-    for (std::size_t i = 0; i < size_; ++i) out[py::str(entries[i].name)] = view(i);
+    const auto& names = this->names();
+    for (std::size_t i = 0; i < size_; ++i) {
+      if (PyDict_SetItem(out.ptr(), names[i].ptr(), view(i).ptr()) != 0) throw py::error_already_set();
+    }
     return out;
   }
   // Kept by value, so they stay readable after release().
@@ -79,6 +116,7 @@ class PyBucket {
   // Drops this handle's hold and its views, leaving the release to the update that holds it.
   void forget() {
     views_.clear();
+    made_.reset();
     bucket_.reset();
   }
   // Drops this handle's hold, and its views; tensors already taken keep the lease until they die.
@@ -87,6 +125,7 @@ class PyBucket {
   // queued on the stream it was received on.
   void release() {
     views_.clear();
+    made_.reset();  // the views' hold: with none alive, this handle's is the bucket's last
     if (bucket_ && bucket_.use_count() == 1 && !bucket_->view().location().on_host()) {
       auto stream = current_stream(bucket_->view().location());
       const_cast<ReceivedBucket&>(*bucket_).release(stream);  // ours alone: nothing else reads it
@@ -99,9 +138,15 @@ class PyBucket {
     if (!bucket_) throw Error(ErrorCode::InvalidArgument, "bucket was released");
     return bucket_;
   }
+  const std::vector<py::object>& names() const {
+    return names_->of(live()->view().manifest().entries, bucket_index_);
+  }
   py::object view(std::size_t i) {
     live();
-    if (!views_[i]) views_[i] = py::cast(torch_bridge::tensor(bucket_, i));
+    if (!views_[i]) {
+      if (!made_) made_ = std::make_unique<torch_bridge::BucketViews>(bucket_);
+      views_[i] = py::cast((*made_)[i]);
+    }
     return views_[i];
   }
 
@@ -115,6 +160,8 @@ class PyBucket {
   std::uint64_t received_ns_;  // when next() handed it over
   std::size_t size_;
   std::shared_ptr<const ReceivedBucket> bucket_;
+  std::shared_ptr<EntryNames> names_;
+  std::unique_ptr<torch_bridge::BucketViews> made_;  // once a view is asked for
   std::vector<py::object> views_;  // by entry position; empty until asked for
 };
 
@@ -122,7 +169,7 @@ class PyBucket {
 // them. Its slots stay leased while it, one of its Buckets or a view lives.
 class PyUpdate {
  public:
-  explicit PyUpdate(ReceivedUpdate update)
+  PyUpdate(ReceivedUpdate update, const std::shared_ptr<EntryNames>& names)
       : update_(std::make_shared<const ReceivedUpdate>(std::move(update))),
         version_(update_->version()),
         incarnation_(update_->incarnation()),
@@ -131,7 +178,7 @@ class PyUpdate {
         published_ns_(update_->buckets().back().published_ns()),
         received_ns_(monotonic_ns()) {
     for (const auto& bucket : update_->buckets()) {
-      buckets_.push_back(py::cast(PyBucket(std::shared_ptr<const ReceivedBucket>(update_, &bucket))));
+      buckets_.push_back(py::cast(PyBucket(std::shared_ptr<const ReceivedBucket>(update_, &bucket), names)));
     }
   }
 

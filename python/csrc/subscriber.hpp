@@ -30,7 +30,7 @@ class PySubscriber {
       return subscriber_->next(deadline, options, stream);
     });
     if (!bucket) return std::nullopt;
-    return PyBucket(std::move(*bucket));
+    return PyBucket(std::move(*bucket), names_);
   }
 
   std::optional<PyUpdate> next_update(std::optional<double> timeout, const py::handle& expected) {
@@ -38,7 +38,7 @@ class PySubscriber {
       return subscriber_->next_update(deadline, options, stream);
     });
     if (!update) return std::nullopt;
-    return PyUpdate(std::move(*update));
+    return PyUpdate(std::move(*update), names_);
   }
 
   std::uint64_t incarnation() {
@@ -98,6 +98,7 @@ class PySubscriber {
   Turns turn_;
   std::string channel_;
   std::optional<Subscriber> subscriber_;  // none once closed
+  std::shared_ptr<EntryNames> names_ = std::make_shared<EntryNames>();
 };
 
 }  // namespace tensorbucket::python

@@ -716,6 +716,28 @@ def test_a_change_found_after_earlier_tensors_were_copied_loses_no_bucket(channe
             assert publisher.published == 3
 
 
+def test_names_kept_from_bucket_to_bucket_follow_every_change(channel):
+    """A subscriber reuses the str of each name from its last bucket of that index: a name
+    changed in place, or a bucket of another index, still gets its own names."""
+    with tensorbucket.Publisher(channel, slots=2) as publisher:
+        with tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+            for version, names in enumerate((["a", "b", "c"], ["a", "b", "c"], ["a", "bé", "c"], ["a", "b"])):
+                sent = {name: torch.full((2,), float(i)) for i, name in enumerate(names)}
+                publisher.publish(sent, version=version)
+                with subscriber.next(timeout=5) as bucket:
+                    views = bucket.tensors()
+                    assert list(views) == names == list(bucket.keys())
+                    for name, tensor in sent.items():
+                        assert torch.equal(views[name], tensor), (version, name)
+                    del views  # its views hold the slot
+            parts = [{"x": torch.ones(2)}, {"y": torch.zeros(3), "z": torch.ones(1)}]
+            for index, part in enumerate(parts):
+                publisher.publish(part, version=9, bucket_index=index, bucket_count=2)
+            with subscriber.next_update(timeout=5) as update:
+                assert list(update.tensors()) == ["x", "y", "z"]
+                assert [list(bucket.tensors()) for bucket in update.buckets] == [["x"], ["y", "z"]]
+
+
 def test_parameters_and_tensor_subclasses_are_sent_by_value(channel):
     """A trainer's own parameters (named_parameters(), state_dict(keep_vars=True)) and Tensor
     subclasses, wrappers included, go out as their values, on the first publish and through the
