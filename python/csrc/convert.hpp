@@ -73,12 +73,15 @@ void for_each_item(const py::handle& tensors, Visit&& visit) {
   for (auto item : py::reinterpret_borrow<py::iterable>(tensors)) visit_pair(item.ptr(), visit);
 }
 
-// `tensors` as something for_each_item() can read more than once: an iterator (a generator of
-// pairs, zip(), map(): read once, it is spent) read into a list, anything else as it is. A
-// publish may read the items twice: once to check them against the kept layout, again to lay
-// them out afresh or to stage them for a wait.
+// `tensors` as something for_each_item() can read more than once: a one-shot iterable (a
+// generator of pairs) read into a list, anything else as it is (what for_each_item() refuses
+// is left for it to refuse). A publish may read the items twice: once to check them against
+// the kept layout, again to lay them out afresh or to stage them for a wait.
 inline py::object readable_twice(const py::handle& tensors) {
-  if (!PyIter_Check(tensors.ptr())) return py::reinterpret_borrow<py::object>(tensors);
+  PyObject* all = tensors.ptr();
+  bool again = PyDict_Check(all) || PyList_Check(all) || PyTuple_Check(all) || py::hasattr(tensors, "items") ||
+               is_tensor(tensors) || PyUnicode_Check(all) || !py::isinstance<py::iterable>(tensors);
+  if (again) return py::reinterpret_borrow<py::object>(tensors);
   return py::list(py::reinterpret_borrow<py::object>(tensors));
 }
 
