@@ -183,52 +183,26 @@ TEST(TorchBridge, StagedTensorsHoldTheirBytesAfterTheCallerLetsGo) {
   EXPECT_EQ(publisher.published(), 1u);
 }
 
-// Written tensor by tensor into a reservation: plain bytes and strided ones (copied by value)
-// arrive equal, an empty tensor copies nothing.
-TEST(TorchBridge, WritesTensorsOneByOneIntoAReservation) {
-  NamedTensors tensors{{"plain", torch::arange(64, at::kFloat)},
-                       {"transposed", torch::arange(12, at::kInt).reshape({3, 4}).t()},
-                       {"empty", torch::empty({0, 3})}};
-  auto layout = torch_bridge::layout_of(tensors);
+// Staged without holding: no storage's count moves, and the bytes still travel.
+TEST(TorchBridge, StagedTensorsThatHoldNothingLeaveTheCountsAlone) {
+  auto plain = torch::arange(64, at::kFloat);
+  auto transposed = torch::arange(12, at::kInt).reshape({3, 4}).t();  // copied by value
+  auto layout = torch_bridge::layout_of({{"plain", plain}, {"transposed", transposed}});
+  auto counted = plain.storage().use_count();
+  torch_bridge::StagedTensors staged(torch_bridge::StagedTensors::Hold::Nothing);
+  ASSERT_TRUE(staged.add(plain, layout.manifest().entries[0]));
+  ASSERT_TRUE(staged.add(transposed, layout.manifest().entries[1]));
+  EXPECT_EQ(plain.storage().use_count(), counted);
   auto channel = channel_for_test();
   auto publisher = Publisher::create(channel);
   auto subscriber = Subscriber::attach(channel, 1s);
-  auto reservation = publisher.reserve(layout, 1s);
-  ASSERT_TRUE(reservation.has_value());
-  const auto& entries = layout.manifest().entries;
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    ASSERT_TRUE(torch_bridge::write_tensor(*reservation, i, tensors[i].second, entries[i]));
-  }
-  reservation->commit();
+  ASSERT_TRUE(torch_bridge::publish_in_place(publisher, layout, staged, 1s));
+  staged.clear();
   auto received = subscriber.next(1s);
   ASSERT_TRUE(received.has_value());
-  auto views = torch_bridge::tensors(std::make_shared<const ReceivedBucket>(std::move(*received)));
-  ASSERT_EQ(views.size(), tensors.size());
-  for (std::size_t i = 0; i < tensors.size(); ++i) EXPECT_TRUE(torch::equal(views[i].second, tensors[i].second)) << i;
-}
-
-// A tensor that no longer fits writes nothing and says so; the reservation dropped publishes
-// nothing; an entry of another layout, or past the last, is refused before any copy.
-TEST(TorchBridge, WriteTensorRefusesWhatNoLongerFits) {
-  auto weight = torch::ones({4, 4});
-  auto layout = torch_bridge::layout_of({{"weight", weight}, {"bias", torch::ones({4})}});
-  const auto& entries = layout.manifest().entries;
-  auto channel = channel_for_test();
-  auto publisher = Publisher::create(channel);
-  auto subscriber = Subscriber::attach(channel, 1s);
-  {
-    auto reservation = publisher.reserve(layout, 1s);
-    ASSERT_TRUE(reservation.has_value());
-    ASSERT_TRUE(torch_bridge::write_tensor(*reservation, 0, weight, entries[0]));
-    EXPECT_FALSE(torch_bridge::write_tensor(*reservation, 1, torch::ones({5}), entries[1]));
-    EXPECT_FALSE(torch_bridge::write_tensor(*reservation, 1, torch::ones({4}, at::kDouble), entries[1]));
-    auto message = expect_error(ErrorCode::ManifestMismatch,
-                                [&] { (void)torch_bridge::write_tensor(*reservation, 1, weight, entries[0]); });
-    EXPECT_NE(message.find("is not entry 1 of the reservation"), std::string::npos) << message;
-    expect_error(ErrorCode::ManifestMismatch, [&] { (void)torch_bridge::write_tensor(*reservation, 2, weight, entries[0]); });
-  }
-  EXPECT_EQ(publisher.published(), 0u);
-  EXPECT_FALSE(subscriber.next(50ms).has_value());
+  auto bucket = std::make_shared<const ReceivedBucket>(std::move(*received));
+  EXPECT_TRUE(torch::equal(torch_bridge::tensor(bucket, 0), plain));
+  EXPECT_TRUE(torch::equal(torch_bridge::tensor(bucket, 1), transposed));
 }
 
 TEST(TorchBridge, Seed002RefusesMetaTensors) {

@@ -81,6 +81,12 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
 // resize_(0)) frees the bytes under the copy, as it would under any reader.
 class StagedTensors {
  public:
+  // Whether add() holds each tensor's storage. Nothing, for a caller that keeps its lock
+  // from add() through the publish (the Python module, for a small bucket whose slot is free
+  // at once): nothing can drop or rebind its tensors meanwhile, and the counts stay put.
+  enum class Hold { Storages, Nothing };
+  explicit StagedTensors(Hold hold = Hold::Storages) noexcept : hold_(hold) {}
+
   // Checks `tensor` as the next entry of a layout (`entry`, of a channel at `where`) and holds
   // it: false, staging nothing, when it no longer fits (see fits()).
   [[nodiscard]] bool add(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation where = {});
@@ -92,6 +98,7 @@ class StagedTensors {
  private:
   friend bool publish_in_place(Publisher&, const BucketBuilder&, const StagedTensors&, const Deadline&,
                                CudaStream);
+  Hold hold_;
   std::vector<const void*> bytes_;     // each tensor's row-major bytes; null: copied by value
   std::vector<std::uint64_t> lengths_;  // each entry's byte_length, checked against the layout
   std::vector<c10::Storage> holds_;    // what keeps those bytes alive
@@ -102,14 +109,6 @@ class StagedTensors {
 // differs (staged against another layout). Moves no tensor's reference count.
 bool publish_in_place(Publisher& publisher, const BucketBuilder& layout, const StagedTensors& staged,
                       const Deadline& deadline, CudaStream stream = nullptr);
-// Checks `tensor` as entry `index` of `reservation`, whose layout's entry that is, and copies it
-// there: false, writing nothing, when it no longer fits (see fits()); ManifestMismatch when
-// `entry` is not the reservation's entry `index` (its byte length differs, or no such index).
-// For a caller that keeps its tensors alive from the first write to the commit (the Python
-// module, under the GIL): each copy overlaps the checks of the tensors after it, and nothing
-// is staged or held. A reservation dropped instead of committed publishes nothing.
-[[nodiscard]] bool write_tensor(Reservation& reservation, std::size_t index, const at::Tensor& tensor,
-                                const ManifestEntry& entry);
 // Whether `tensor` can travel as `entry` of a kept layout: same dtype and shape, on `where`,
 // and nothing layout_of() would refuse. Cheap enough to ask of every tensor on every step.
 bool fits(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation where = {}) noexcept;

@@ -60,7 +60,7 @@ class PyPublisher {
     auto group_list = to_groups(groups);
     if (kept_ && kept_->groups == group_list) {
       if (publish_small_at_once(tensors, version, bucket_index, bucket_count)) return;
-      if (stage_kept(tensors)) return publish_staged(version, bucket_index, bucket_count, wait);
+      if (stage_kept(tensors, staged_)) return publish_staged(version, bucket_index, bucket_count, wait);
     }
     staged_.clear();
     {  // the copies of the tensors go before the copy runs without the GIL: staged_ holds them
@@ -161,48 +161,43 @@ class PyPublisher {
     }
   }
 
-  // Fills staged_ when `tensors` hold tensors that fit the kept layout, under its names, in
+  // Fills `staged` when `tensors` hold tensors that fit the kept layout, under its names, in
   // its order.
-  bool stage_kept(const py::handle& tensors) {
-    staged_.clear();
+  bool stage_kept(const py::handle& tensors, torch_bridge::StagedTensors& staged) {
+    staged.clear();
     const auto& entries = kept_->builder.manifest().entries;
     auto where = publisher_.location();
     std::size_t i = 0;
     bool fits = true;
     for_each_item(tensors, [&](py::handle key, py::handle value) {
       fits = fits && i < entries.size() && names(key, kept_->keys[i], entries[i].name) && is_tensor(value) &&
-             staged_.add(THPVariable_Unpack(value.ptr()), entries[i], where);
+             staged.add(THPVariable_Unpack(value.ptr()), entries[i], where);
       ++i;
     });
     return fits && i == entries.size();
   }
 
   // A small bucket of host tensors that fit the kept layout, when a slot is free at once:
-  // each tensor checked and copied in one pass without giving up the GIL, so that no other
-  // thread can drop or rebind a tensor meanwhile and none is staged or held, each copy
-  // overlaps the checks of the tensors after it, and the GIL is not handed back and forth. A
-  // copy of kHeldBytes takes well under a millisecond, against the interpreter's 5 ms switch
-  // interval. False, with nothing published, when any of that is not so (a tensor that no
-  // longer fits leaves the slot abandoned): the caller stages and waits as usual.
+  // checked and copied without giving up the GIL, so that no other thread can drop or rebind a
+  // tensor meanwhile and none needs holding (a quarter of the staging of 1000 small tensors),
+  // and the GIL is not handed back and forth. A copy of kHeldBytes takes well under a
+  // millisecond, against the interpreter's 5 ms switch interval. False, with nothing
+  // published, when any of that is not so: the caller stages and waits as usual.
   static constexpr std::uint64_t kHeldBytes = std::uint64_t{4} << 20;
   bool publish_small_at_once(const py::handle& tensors, std::uint64_t version, std::uint32_t bucket_index,
                              std::uint32_t bucket_count) {
     if (!publisher_.location().on_host() || kept_->builder.payload_bytes() > kHeldBytes || turn_.closing) {
       return false;
     }
+    struct Unstage {
+      torch_bridge::StagedTensors& staged;
+      ~Unstage() { staged.clear(); }
+    } unstage{borrowed_};
+    if (!stage_kept(tensors, borrowed_)) return false;
     kept_->builder.version(version).bucket(bucket_index, bucket_count);
-    auto reservation = publisher_.reserve(kept_->builder, Deadline::after(Clock::duration::zero()));
-    if (!reservation) return false;
-    const auto& entries = kept_->builder.manifest().entries;
-    std::size_t i = 0;
-    bool fits = true;
-    for_each_item(tensors, [&](py::handle key, py::handle value) {
-      fits = fits && i < entries.size() && names(key, kept_->keys[i], entries[i].name) && is_tensor(value) &&
-             torch_bridge::write_tensor(*reservation, i, THPVariable_Unpack(value.ptr()), entries[i]);
-      ++i;
-    });
-    if (!fits || i != entries.size()) return false;
-    reservation->commit(Reservation::HandoverFrom::Reserve);
+    if (!torch_bridge::publish_in_place(publisher_, kept_->builder, borrowed_, Deadline::after(Clock::duration::zero()))) {
+      return false;
+    }
     published_ = publisher_.published();
     return true;
   }
@@ -234,6 +229,7 @@ class PyPublisher {
   Publisher publisher_;
   std::optional<Kept> kept_;
   torch_bridge::StagedTensors staged_;  // this call's tensors in layout order; reused for capacity
+  torch_bridge::StagedTensors borrowed_{torch_bridge::StagedTensors::Hold::Nothing};  // the same, held by the GIL
 };
 
 }  // namespace tensorbucket::python

@@ -95,10 +95,13 @@ class PyBucket {
   }
   // Every view at once, as a dict.
   py::dict tensors() {
+    // The views first: making one may run the garbage collector, and with it Python code that
+    // could reach this subscriber's names. Nothing below does.
+    for (std::size_t i = 0; i < size_; ++i) view(i);
     py::dict out;
     const auto& names = this->names();
     for (std::size_t i = 0; i < size_; ++i) {
-      if (PyDict_SetItem(out.ptr(), names[i].ptr(), view(i).ptr()) != 0) throw py::error_already_set();
+      if (PyDict_SetItem(out.ptr(), names[i].ptr(), views_[i].ptr()) != 0) throw py::error_already_set();
     }
     return out;
   }

@@ -694,10 +694,9 @@ def test_each_publish_sends_the_current_tensors_whatever_changed(channel):
         assert list(bucket) == ["w2", "b"]
 
 
-def test_a_change_found_after_earlier_tensors_were_copied_loses_no_bucket(channel):
-    """A small publish of the kept layout copies each tensor as it checks it: one that no longer
-    fits, late in the dict, drops that slot's copy and the call lays out afresh. The bucket
-    before, not yet read, still arrives, then the new one, whole."""
+def test_a_change_late_in_the_kept_layout_loses_no_bucket(channel):
+    """A tensor that no longer fits the kept layout, late in the dict, makes the call lay out
+    afresh: the bucket before, not yet read, still arrives, then the new one, whole."""
     weights = {f"w{i}": torch.full((4,), float(i)) for i in range(8)}
     with tensorbucket.Publisher(channel, slots=2) as publisher:
         with tensorbucket.Subscriber(channel, timeout=5) as subscriber:
@@ -714,6 +713,25 @@ def test_a_change_found_after_earlier_tensors_were_copied_loses_no_bucket(channe
                     for name, tensor in sent.items():
                         assert torch.equal(bucket[name], tensor), (version, name)
             assert publisher.published == 3
+
+
+@pytest.mark.parametrize("bad", [None, torch.empty(4, device="meta")], ids=["not a tensor", "meta"])
+def test_a_refused_publish_leaves_the_newest_bucket_in_place(channel, bad):
+    """A publish of the kept names that is refused claims no slot: the newest bucket, unread in
+    the one slot the consumer does not hold, still arrives."""
+    weights = {"a": torch.ones(4), "b": torch.full((4,), 2.0)}
+    with tensorbucket.Publisher(channel, slots=2, max_consumers=1, policy="latest") as publisher:
+        with tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+            publisher.publish(weights, version=0)
+            held = subscriber.next(timeout=5)
+            publisher.publish(weights, version=1)
+            with pytest.raises(tensorbucket.Error):
+                publisher.publish({"a": torch.ones(4), "b": bad}, version=2)
+            held.release()
+            with subscriber.next(timeout=5) as bucket:
+                assert bucket.version == 1
+                assert torch.equal(bucket["b"], weights["b"])
+            assert publisher.published == 2
 
 
 def test_names_kept_from_bucket_to_bucket_follow_every_change(channel):
