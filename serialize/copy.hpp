@@ -102,8 +102,9 @@ void copy_paced(std::byte* destination, const std::byte* source, std::size_t byt
 // Copies a payload's entries one at a time, in payload order, as pack() does: a small entry in
 // one memcpy, with the lines of the entries after it asked for writing ahead of the copy; a
 // large one in kPaceBytes pieces told to `near_end` (when given). Streaming stores need
-// finish_streaming() after the last. What pack() and a reservation's writes share (one copier from
-// its first write to its last, so that writing entry by entry costs what write_all() does).
+// finish_streaming() after the last. What pack() and a reservation's writes share (one copier
+// from its first write to its last, so that writing entry by entry costs what write_all()
+// does).
 class EntryCopier {
  public:
   EntryCopier(std::span<std::byte> payload, bool streaming, NearEnd* near_end) noexcept
