@@ -1,5 +1,7 @@
 #include "tensorbucket/torch.hpp"
 
+#include <ATen/EmptyTensor.h>
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -58,6 +60,23 @@ Shape shape_of(const at::Tensor& tensor) {
   return Shape(std::span<const std::int64_t>(sizes.data(), sizes.size()));
 }
 
+// Whether a tensor reaches past the end of its storage: one whose storage was shrunk under it
+// (untyped_storage().resize_(n), as FSDP frees a parameter's) would have a copy read or write
+// past the allocation. Nothing to check without a storage (a wrapper subclass) or with
+// symbolic sizes.
+bool storage_short(const at::Tensor& tensor) {
+  const auto& impl = *tensor.unsafeGetTensorImpl();
+  const auto& storage = impl.unsafe_storage();
+  if (!storage || impl.has_symbolic_sizes_strides() || impl.numel() == 0) return false;
+  auto holds = storage.unsafeGetStorageImpl()->sym_nbytes().maybe_as_int();
+  if (!holds) return false;
+  auto itemsize = impl.itemsize();
+  auto offset = static_cast<std::size_t>(impl.storage_offset());
+  auto reach = impl.is_contiguous() ? (offset + static_cast<std::size_t>(impl.numel())) * itemsize
+                                    : at::detail::computeStorageNbytes(impl.sizes(), impl.strides(), itemsize, offset);
+  return reach > static_cast<std::size_t>(*holds);
+}
+
 // The refusals of the header, in one place for both publishing paths. `where`: the channel's
 // payload location, where every tensor must be.
 void check_sendable(const std::string& name, const at::Tensor& tensor, PayloadLocation where) {
@@ -81,6 +100,11 @@ void check_sendable(const std::string& name, const at::Tensor& tensor, PayloadLo
                          : text::message("on ", where.to_string(), ", where its tensors must be"));
   }
   dtype_of(tensor.scalar_type(), name);
+  if (storage_short(tensor)) {
+    fail(ErrorCode::InvalidArgument, "entry ", Quoted{name}, " (", c10::toString(tensor.scalar_type()), ' ',
+         text::Dims{shape_of(tensor)}, ") reaches past the end of its storage, which holds ",
+         tensor.storage().nbytes(), " bytes: was the storage resized under it?");
+  }
 }
 
 void add_groups(BucketBuilder& builder, const std::vector<ManifestGroup>& groups) {
@@ -171,18 +195,22 @@ bool lined_up(const NamedTensors& targets, const Manifest& manifest) {
 // into an inference tensor outside InferenceMode it throws, which would leave the module half
 // loaded.
 void check_targets(const NamedTensors& targets) {
-  text::Listing empty, inference;
+  text::Listing empty, inference, short_storage;
   for (const auto& [name, target] : targets) {
     if (!target.defined() || target.is_meta()) {
       empty.add(Quoted{name});
     } else if (target.is_inference() && !c10::InferenceMode::is_enabled()) {
       inference.add(Quoted{name});
+    } else if (storage_short(target)) {
+      short_storage.add(Quoted{name});
     }
   }
   text::fail_if_listed(ErrorCode::Unmaterialized, "cannot load into meta or undefined tensors",
                        {{"tensors", &empty}}, "; they have no memory: materialize the module first");
   text::fail_if_listed(ErrorCode::InvalidArgument, "cannot load into inference tensors outside inference mode",
                        {{"tensors", &inference}}, "; load under torch.inference_mode(), or build the module outside it");
+  text::fail_if_listed(ErrorCode::InvalidArgument, "cannot load into tensors that reach past the end of their storage",
+                       {{"tensors", &short_storage}}, "; was their storage resized under them (freed)?");
 }
 
 // The check pass chases pointers through each tensor's TensorImpl and StorageImpl, and 1000
@@ -355,7 +383,7 @@ bool fits(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation 
     if (sizes[d] != entry.shape[d]) return false;
   }
   auto type = torch_type(entry.dtype);
-  return type != at::ScalarType::Undefined && type == tensor.scalar_type();
+  return type != at::ScalarType::Undefined && type == tensor.scalar_type() && !storage_short(tensor);
 }
 
 bool StagedTensors::add(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation where) {
@@ -487,6 +515,12 @@ Manifest expected_manifest(const torch::nn::Module& module) { return manifest_of
 
 void load_into(const NamedTensors& targets, const NamedTensors& tensors) {
   check_targets(targets);
+  for (const auto& [name, tensor] : tensors) {
+    if (tensor.defined() && storage_short(tensor)) {
+      fail(ErrorCode::InvalidArgument, "cannot load from tensor ", Quoted{name},
+           ": it reaches past the end of its storage; was the storage resized under it (freed)?");
+    }
+  }
   at::NoGradGuard no_grad;
   if (lined_up(targets, tensors)) {
     for (std::size_t i = 0; i < targets.size(); ++i) copy_into(targets[i].second, tensors[i].second);

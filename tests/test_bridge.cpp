@@ -235,6 +235,40 @@ TEST(TorchBridge, RefusesWhatCannotTravelAndPublishesNothing) {
   EXPECT_EQ(publisher.published(), 0u);
 }
 
+// A tensor whose storage was shrunk under it (untyped_storage().resize_(), as FSDP frees a
+// parameter's) reaches past its allocation: refused by name wherever its bytes would be read or
+// written, on a first publish, through a kept layout, and as a load's target or source.
+TEST(TorchBridge, RefusesATensorThatReachesPastItsStorage) {
+  auto channel = channel_for_test();
+  auto publisher = Publisher::create(channel);
+  auto subscriber = Subscriber::attach(channel, 1s);
+  auto weight = torch::ones({1024});
+  auto column = torch::ones({8, 8}).t();  // strided: its reach is computed from the strides
+  NamedTensors tensors{{"bias", torch::ones({4})}, {"weight", weight}, {"column", column}};
+  auto layout = torch_bridge::layout_of(tensors);
+  ASSERT_TRUE(torch_bridge::publish_in_place(publisher, layout, std::vector<at::Tensor>{tensors[0].second, weight, column}, 1s));
+  ASSERT_TRUE(subscriber.next(1s).has_value());
+  for (auto* shrunk : {&weight, &column}) {
+    auto storage = shrunk->storage();
+    auto bytes = storage.nbytes();
+    storage.unsafeGetStorageImpl()->set_nbytes(16);  // what resize_(16) leaves, without freeing
+    EXPECT_FALSE(torch_bridge::fits(*shrunk, layout.manifest().entries[shrunk == &weight ? 1 : 2]));
+    auto message = expect_error(ErrorCode::InvalidArgument, [&] { torch_bridge::make_bucket(tensors); });
+    EXPECT_NE(message.find("reaches past the end of its storage, which holds 16 bytes"), std::string::npos) << message;
+    expect_error(ErrorCode::ManifestMismatch, [&] {
+      torch_bridge::publish_in_place(publisher, layout, std::vector<at::Tensor>{tensors[0].second, weight, column}, 1s);
+    });
+    message = expect_error(ErrorCode::InvalidArgument, [&] { torch_bridge::load_into(tensors, tensors); });
+    EXPECT_NE(message.find("reach past the end of their storage"), std::string::npos) << message;
+    NamedTensors targets{{"bias", torch::zeros({4})}, {"weight", torch::zeros({1024})}, {"column", torch::zeros({8, 8})}};
+    message = expect_error(ErrorCode::InvalidArgument, [&] { torch_bridge::load_into(targets, tensors); });
+    EXPECT_NE(message.find("cannot load from tensor"), std::string::npos) << message;
+    storage.unsafeGetStorageImpl()->set_nbytes(bytes);
+  }
+  EXPECT_EQ(publisher.published(), 1u);
+  EXPECT_FALSE(subscriber.try_next().has_value());
+}
+
 TEST(TorchBridge, ViewsShareSharedMemoryAndHoldTheSlot) {
   auto channel = channel_for_test();
   auto publisher = Publisher::create(channel, {.slots = 1});

@@ -937,6 +937,23 @@ def test_load_into_refuses_a_module_on_the_meta_device():
                                {"weight": torch.zeros(2, 3), "bias": torch.ones(2)})
 
 
+def test_a_tensor_whose_storage_was_freed_is_refused_by_name(channel):
+    """FSDP frees a parameter's bytes with untyped_storage().resize_(0): publishing such a
+    tensor read past its allocation (the heap's bytes went to the consumer), and loading into
+    one wrote past it. Both are refused, naming the tensor, and nothing is published."""
+    weights = {"bias": torch.ones(4), "weight": torch.ones(1 << 18)}
+    with tensorbucket.Publisher(channel, slots=2) as publisher:
+        with tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+            publisher.publish(weights, version=0)
+            subscriber.next(timeout=5).release()
+            weights["weight"].untyped_storage().resize_(16)
+            with pytest.raises(tensorbucket.InvalidArgument, match="'weight'.*reaches past the end of its storage"):
+                publisher.publish(weights, version=1)
+            assert publisher.published == 1
+            with pytest.raises(tensorbucket.InvalidArgument, match="cannot load into tensors that reach past"):
+                tensorbucket.load_into(weights, {"bias": torch.zeros(4), "weight": torch.zeros(1 << 18)})
+
+
 def test_trainer_and_server_processes(channel):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")])))
     server = subprocess.Popen([sys.executable, str(EXAMPLES / "server.py"), channel, "5"], env=env,
