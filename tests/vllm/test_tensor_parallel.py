@@ -1,5 +1,8 @@
 """Two tensor-parallel workers of one engine on one channel: each takes every bucket (fan-out,
 no copy on the trainer's side) and loads its own shard of it."""
+import contextlib
+import os
+
 import pytest
 import torch
 from conftest import engine_args, generate, llama, reference, same_generation
@@ -16,10 +19,17 @@ def llm(model_dir):
     # vLLM's CPU backend binds each worker to a NUMA node of its own unless told not to bind.
     patch = pytest.MonkeyPatch()
     patch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    before = set(os.listdir("/dev/shm"))
     engine = LLM(**engine_args(model_dir), tensor_parallel_size=2)
     yield engine
     engine.llm_engine.engine_core.shutdown()
     patch.undo()
+    # vLLM's CPU all-reduce maps a shared-memory segment per worker, which a worker stopped by
+    # shutdown() sometimes leaves behind: those this engine made go with it.
+    for name in set(os.listdir("/dev/shm")) - before:
+        if name.startswith("vllm_dist_") and "-cpushm" in name:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", name))
 
 
 def test_two_workers_load_every_update_from_one_channel(llm):
