@@ -410,6 +410,24 @@ bool StagedTensors::add(const at::Tensor& tensor, const ManifestEntry& entry, Pa
   return true;
 }
 
+bool write_tensor(Reservation& reservation, std::size_t index, const at::Tensor& tensor, const ManifestEntry& entry) {
+  auto spans = reservation.entry_spans();
+  if (index >= spans.size() || spans[index].size() != entry.byte_length) {
+    fail(ErrorCode::ManifestMismatch, "entry ", Quoted{entry.name}, " (", entry.byte_length,
+         " bytes) is not entry ", index, " of the reservation, which has ", spans.size(), " entries");
+  }
+  auto where = reservation.location();
+  if (!fits(tensor, entry, where)) return false;
+  if (entry.byte_length == 0) return true;
+  if (const void* bytes = plain_bytes(tensor) ? storage_bytes(tensor) : nullptr) {
+    reservation.write(index, bytes);
+  } else {  // laid out row-major by copy_, as publish_in_place() does
+    at::NoGradGuard no_grad;
+    view_of(entry, spans[index], nullptr, device_of(where)).copy_(tensor.detach());
+  }
+  return true;
+}
+
 void StagedTensors::clear() noexcept {
   bytes_.clear();
   lengths_.clear();

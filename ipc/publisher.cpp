@@ -80,6 +80,7 @@ struct detail::PublisherState {
   // the open one stands: the order publish() enforces, and each slot's SlotUpdate.
   std::optional<ipc::SlotUpdate> last_place;
   ipc::SlotUpdate open_place{};
+  std::optional<std::uint64_t> complete_from;  // the first bucket of the newest complete update
   // The open bucket's header, begun when its manifest was written: it hashes the manifest
   // this producer meant, not the bytes in the slot, which a peer may have changed since.
   BucketHeader header{};
@@ -208,16 +209,43 @@ struct detail::PublisherState {
     return text;
   }
 
+  // Whether slot `s` is empty or holds a bucket older than the newest complete update and the
+  // update under way (Publisher::Claim::SparingNewest). The update under way began at most
+  // bucket_index + 1 buckets ago, as place_of() keeps its buckets in order.
+  bool spares_newest(std::uint32_t s) const {
+    auto generation = slots[s].generation;
+    if (generation == 0) return true;
+    auto kept_from = published;
+    if (last_place && last_place->bucket_index + 1 < last_place->bucket_count) kept_from -= last_place->bucket_index + 1;
+    if (complete_from) kept_from = std::min(kept_from, *complete_from);
+    return bucket_in(generation) < kept_from;
+  }
+
   // Makes the slot for the next bucket ours (its generation odd), waiting until one is free:
   // under `block` slot published % slots once its bucket is releasable, under `latest` the
-  // slot of the oldest bucket that no live consumer leases. False at the deadline.
-  bool claim(const Deadline& deadline) {
+  // slot of the oldest bucket that no live consumer leases. False at the deadline; with
+  // `SparingNewest`, at once when that slot holds a bucket it spares.
+  bool claim(const Deadline& deadline, Publisher::Claim which) {
+    bool sparing = which == Publisher::Claim::SparingNewest;
     for (;;) {
       refuse_if_control_damaged();
       auto wake = ipc::wake_count(control->producer_wake);
-      if (latest() ? claim_unleased() : try_claim(static_cast<std::uint32_t>(published % options.slots), Need::Lossless)) {
+      bool spared = false;
+      bool claimed = false;
+      if (latest()) {
+        claimed = claim_unleased(sparing, spared);
+      } else {
+        auto next = static_cast<std::uint32_t>(published % options.slots);
+        spared = sparing && !spares_newest(next);
+        claimed = !spared && try_claim(next, Need::Lossless);
+      }
+      if (claimed) {
         waiting_for.clear();
         return true;
+      }
+      if (spared) {
+        waiting_for = "a slot that holds no bucket of the newest update (Claim::SparingNewest)";
+        return false;
       }
       auto now = Clock::now();
       if (deadline.passed(now) || deadline.interrupted(now)) {
@@ -231,15 +259,21 @@ struct detail::PublisherState {
   // Under `latest`: the slots from empty, then oldest bucket, to newest, the first nobody leases.
   // A consumer's leases move while we look (it releases one update, leases the next), so one
   // look can find every slot leased at the moment it was looked at while fewer ever were at
-  // once: a few looks before the caller waits.
-  bool claim_unleased() {
+  // once: a few looks before the caller waits. `sparing`: only a slot whose bucket every live
+  // consumer is done with, as `block` asks; one that holds a bucket of the newest update ends
+  // the look (each after it is newer) and sets `spared`.
+  bool claim_unleased(bool sparing, bool& spared) {
     std::uint32_t order[ipc::kMaxSlots];
     for (std::uint32_t s = 0; s < options.slots; ++s) order[s] = s;
     std::sort(order, order + options.slots,
               [&](std::uint32_t a, std::uint32_t b) { return slots[a].generation < slots[b].generation; });
     for (int look = 0; look < kLatestLooks; ++look) {
       for (std::uint32_t i = 0; i < options.slots; ++i) {
-        if (try_claim(order[i], Need::Leased)) return true;
+        if (sparing && !spares_newest(order[i])) {
+          spared = true;
+          break;
+        }
+        if (try_claim(order[i], sparing ? Need::Lossless : Need::Leased)) return true;
       }
     }
     return false;
@@ -342,6 +376,7 @@ struct detail::PublisherState {
       updates = open_place.ordinal + 1;
       ipc::atomic(control->updates).store(updates, std::memory_order_relaxed);
     }
+    if (open_place.bucket_index + 1 == open_place.bucket_count) complete_from = bucket - open_place.bucket_index;
     last_place = open_place;
     // Release: the bytes and slot fields above are visible to a consumer that sees this value.
     slot.generation = ipc::generation_of(bucket);
@@ -372,7 +407,7 @@ struct detail::PublisherState {
   std::optional<std::byte*> begin(std::uint64_t payload_bytes, const Manifest& manifest,
                                   std::span<const std::byte> manifest_bytes,
                                   std::uint64_t encoding_id, const Deadline& deadline,
-                                  ipc::DeviceStream on) {
+                                  ipc::DeviceStream on, Publisher::Claim which = Publisher::Claim::Next) {
     if (closed) fail(ErrorCode::InvalidArgument, "channel ", Quoted{channel}, " is closed");
     refuse_if_forked();
     if (reservation_open) {
@@ -381,7 +416,7 @@ struct detail::PublisherState {
     }
     auto start_ns = monotonic_ns();
     open_place = place_of(manifest);
-    if (!claim(deadline)) return std::nullopt;
+    if (!claim(deadline, which)) return std::nullopt;
     auto s = open_slot;
     // Consumers asleep waiting for this bucket wake now, and spin while it is written: their
     // wake-up overlaps the writing (see kWriteSpin in subscriber.cpp).
@@ -562,11 +597,12 @@ bool Publisher::publish(const BucketBuilder& bucket, const Deadline& deadline, C
   return true;
 }
 
-std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout,
-                                              const Deadline& deadline, CudaStream stream) {
+std::optional<Reservation> Publisher::reserve(const BucketBuilder& layout, const Deadline& deadline,
+                                              CudaStream stream, Claim claim) {
   auto manifest_bytes = layout.encoded_manifest();
   auto payload_bytes = layout.payload_bytes();
-  auto base = state_->begin(payload_bytes, layout.manifest(), manifest_bytes, layout.encoding_id(), deadline, stream);
+  auto base =
+      state_->begin(payload_bytes, layout.manifest(), manifest_bytes, layout.encoding_id(), deadline, stream, claim);
   if (!base) return std::nullopt;
   std::span<std::byte> payload{*base, payload_bytes};
   // Until the Reservation exists, whatever throws (an allocation) must leave the slot empty.

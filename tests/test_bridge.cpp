@@ -205,6 +205,55 @@ TEST(TorchBridge, StagedTensorsThatHoldNothingLeaveTheCountsAlone) {
   EXPECT_TRUE(torch::equal(torch_bridge::tensor(bucket, 1), transposed));
 }
 
+// Written tensor by tensor into a reservation: plain bytes and strided ones (copied by value)
+// arrive equal, an empty tensor copies nothing.
+TEST(TorchBridge, WritesTensorsOneByOneIntoAReservation) {
+  NamedTensors tensors{{"plain", torch::arange(64, at::kFloat)},
+                       {"transposed", torch::arange(12, at::kInt).reshape({3, 4}).t()},
+                       {"empty", torch::empty({0, 3})}};
+  auto layout = torch_bridge::layout_of(tensors);
+  auto channel = channel_for_test();
+  auto publisher = Publisher::create(channel);
+  auto subscriber = Subscriber::attach(channel, 1s);
+  auto reservation = publisher.reserve(layout, 1s);
+  ASSERT_TRUE(reservation.has_value());
+  const auto& entries = layout.manifest().entries;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    ASSERT_TRUE(torch_bridge::write_tensor(*reservation, i, tensors[i].second, entries[i]));
+  }
+  reservation->commit();
+  auto received = subscriber.next(1s);
+  ASSERT_TRUE(received.has_value());
+  auto views = torch_bridge::tensors(std::make_shared<const ReceivedBucket>(std::move(*received)));
+  ASSERT_EQ(views.size(), tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) EXPECT_TRUE(torch::equal(views[i].second, tensors[i].second)) << i;
+}
+
+// A tensor that no longer fits writes nothing and says so; the reservation dropped publishes
+// nothing; an entry of another layout, or past the last, is refused before any copy.
+TEST(TorchBridge, WriteTensorRefusesWhatNoLongerFits) {
+  auto weight = torch::ones({4, 4});
+  auto layout = torch_bridge::layout_of({{"weight", weight}, {"bias", torch::ones({4})}});
+  const auto& entries = layout.manifest().entries;
+  auto channel = channel_for_test();
+  auto publisher = Publisher::create(channel);
+  auto subscriber = Subscriber::attach(channel, 1s);
+  {
+    auto reservation = publisher.reserve(layout, 1s);
+    ASSERT_TRUE(reservation.has_value());
+    ASSERT_TRUE(torch_bridge::write_tensor(*reservation, 0, weight, entries[0]));
+    EXPECT_FALSE(torch_bridge::write_tensor(*reservation, 1, torch::ones({5}), entries[1]));
+    EXPECT_FALSE(torch_bridge::write_tensor(*reservation, 1, torch::ones({4}, at::kDouble), entries[1]));
+    EXPECT_FALSE(torch_bridge::write_tensor(*reservation, 1, torch::empty({4}, at::kMeta), entries[1]));
+    auto message = expect_error(ErrorCode::ManifestMismatch,
+                                [&] { (void)torch_bridge::write_tensor(*reservation, 1, weight, entries[0]); });
+    EXPECT_NE(message.find("is not entry 1 of the reservation"), std::string::npos) << message;
+    expect_error(ErrorCode::ManifestMismatch, [&] { (void)torch_bridge::write_tensor(*reservation, 2, weight, entries[0]); });
+  }
+  EXPECT_EQ(publisher.published(), 0u);
+  EXPECT_FALSE(subscriber.next(50ms).has_value());
+}
+
 TEST(TorchBridge, Seed002RefusesMetaTensors) {
   NamedTensors tensors{{"ok", torch::ones({2})}, {"layers.0.weight", torch::empty({4, 4}, at::kMeta)}};
   auto message = expect_error(ErrorCode::Unmaterialized, [&] { torch_bridge::make_bucket(tensors); });

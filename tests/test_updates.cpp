@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -118,6 +119,113 @@ TEST_F(Updates, ATakeEverythingSubscriberStartsAtTheOldestHeldBucket) {
   EXPECT_EQ(first.sequence(), 5u);
   EXPECT_EQ(first.view().version(), 1u);
   EXPECT_EQ(first.view().bucket_index(), 1u);
+}
+
+// The buckets the channel's slots hold.
+std::set<std::uint64_t> held_buckets(const std::string& channel) {
+  std::set<std::uint64_t> held;
+  for (const auto& slot : inspect_channel(channel).slot_states) {
+    if (slot.bucket) held.insert(*slot.bucket);
+  }
+  return held;
+}
+
+// A reservation that may be dropped halfway (Claim::SparingNewest) takes the slot publish()
+// would take exactly when that slot is empty or holds a bucket older than the newest complete
+// update and the update under way; dropped, it leaves every one of those held. Under both
+// policies, with updates of 1 to 3 buckets, a reader that reads every bucket at once.
+TEST_F(Updates, ASparingReservationTakesOnlyASlotOfAnOlderBucket) {
+  struct Case {
+    OverflowPolicy policy;
+    std::uint32_t slots, update_buckets;
+  };
+  for (auto [policy, slots, update_buckets] :
+       {Case{OverflowPolicy::Block, 1, 1}, Case{OverflowPolicy::Block, 2, 1}, Case{OverflowPolicy::Block, 3, 1},
+        Case{OverflowPolicy::Block, 2, 2}, Case{OverflowPolicy::Block, 3, 2}, Case{OverflowPolicy::Block, 4, 3},
+        Case{OverflowPolicy::Latest, 2, 1}, Case{OverflowPolicy::Latest, 3, 1}, Case{OverflowPolicy::Latest, 5, 2}}) {
+    SCOPED_TRACE(std::string(to_string(policy)) + ", " + std::to_string(slots) + " slots, updates of " +
+                 std::to_string(update_buckets));
+    Workload workload{.tensors = 2, .tensor_bytes = 64, .update_buckets = update_buckets};
+    auto publisher = Publisher::create(channel, {.slots = slots,
+                                                 .max_consumers = 1,
+                                                 .policy = policy,
+                                                 .update_buckets = policy == OverflowPolicy::Latest ? update_buckets : 1});
+    auto reader = Subscriber::attach(channel, 1s, {.whole_updates = false});
+    for (std::uint64_t i = 0; i < 4 * slots * update_buckets; ++i) {
+      SCOPED_TRACE("bucket " + std::to_string(i));
+      // What a dropped reservation must leave: the newest complete update and the one under
+      // way. The slot publish() takes next holds bucket i - slots (the reader holds none).
+      auto under_way = i - i % update_buckets;
+      auto kept_from = under_way >= update_buckets ? under_way - update_buckets : under_way;
+      bool spares = i < slots || i - slots < kept_from;
+      auto before = held_buckets(channel);
+      {
+        auto reservation = publisher.reserve(cli::make_layout(workload, i), 0ms, nullptr, Publisher::Claim::SparingNewest);
+        EXPECT_EQ(reservation.has_value(), spares);
+      }
+      auto after = held_buckets(channel);
+      for (auto bucket : before) {
+        if (bucket >= kept_from) {
+          EXPECT_TRUE(after.contains(bucket)) << "bucket " << bucket << " was taken";
+        }
+      }
+      EXPECT_LE(before.size() - after.size(), 1u);
+      ASSERT_TRUE(publish(publisher, workload, i, 1s)) << publisher.waiting_for();
+      auto bucket = next_bucket(reader);
+      EXPECT_EQ(bucket.sequence(), i);
+      EXPECT_EQ(cli::check_bucket(bucket.view(), workload.seed, i), "");
+    }
+  }
+}
+
+// When the slot to take holds the newest bucket, a sparing reservation says no at once, however
+// long its deadline: waiting cannot change that, only a publish. Under `latest`, a reader's
+// lease on the older bucket leaves only the newest one's slot.
+TEST_F(Updates, ASparingReservationSaysNoAtOnce) {
+  Workload workload{.tensors = 2, .tensor_bytes = 64};
+  for (auto [policy, slots] : {std::pair{OverflowPolicy::Block, 1u}, std::pair{OverflowPolicy::Latest, 2u}}) {
+    SCOPED_TRACE(to_string(policy));
+    auto publisher = Publisher::create(channel, {.slots = slots, .max_consumers = 1, .policy = policy});
+    auto reader = Subscriber::attach(channel, 1s);
+    ASSERT_TRUE(publish(publisher, workload, 0));
+    auto held = next_bucket(reader);
+    if (policy == OverflowPolicy::Block) {
+      held.release();
+    } else {
+      ASSERT_TRUE(publish(publisher, workload, 1));
+    }
+    auto next = publisher.published();
+    auto start = std::chrono::steady_clock::now();
+    EXPECT_FALSE(publisher.reserve(cli::make_layout(workload, next), 10s, nullptr, Publisher::Claim::SparingNewest));
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 1s);
+    EXPECT_NE(publisher.waiting_for().find("SparingNewest"), std::string::npos) << publisher.waiting_for();
+    EXPECT_EQ(held_buckets(channel).size(), slots);
+    // The same slot for publish(), which may take it.
+    ASSERT_TRUE(publish(publisher, workload, next, 0ms)) << publisher.waiting_for();
+    held.release();
+    auto newest = next_bucket(reader);
+    EXPECT_EQ(newest.sequence(), next);
+  }
+}
+
+// Nor, under `latest`, a bucket a consumer has yet to read: one within an update holds its first
+// bucket while the producer publishes the next update, and still gets the second.
+TEST_F(Updates, ASparingReservationLeavesWhatAConsumerHasYetToRead) {
+  Workload workload{.tensors = 2, .tensor_bytes = 64, .update_buckets = 2};
+  auto publisher =
+      Publisher::create(channel, {.slots = 4, .max_consumers = 1, .policy = OverflowPolicy::Latest, .update_buckets = 2});
+  auto reader = Subscriber::attach(channel, 1s);
+  for (std::uint64_t i = 0; i < 2; ++i) ASSERT_TRUE(publish(publisher, workload, i, 0ms));
+  auto first = next_bucket(reader);
+  for (std::uint64_t i = 2; i < 4; ++i) ASSERT_TRUE(publish(publisher, workload, i, 0ms));
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(publisher.reserve(cli::make_layout(workload, 4), 10s, nullptr, Publisher::Claim::SparingNewest));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s);
+  EXPECT_EQ(held_buckets(channel), (std::set<std::uint64_t>{0, 1, 2, 3}));
+  first.release();
+  auto second = next_bucket(reader);
+  EXPECT_EQ(second.sequence(), 1u);
+  EXPECT_EQ(cli::check_bucket(second.view(), workload.seed, 1), "");
 }
 
 TEST_F(Updates, NextUpdateHandsOutEveryBucketOfOneVersionLeased) {

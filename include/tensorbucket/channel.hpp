@@ -137,12 +137,23 @@ class Publisher {
   // on it before (so the caller's writes to them), and must stay valid until that is done.
   bool publish(const BucketBuilder& bucket, const Deadline& deadline, CudaStream stream = nullptr);
 
+  // Which slot reserve() may take. `Next`: the one publish() would take, whatever bucket it
+  // holds, once no consumer needs that bucket. `SparingNewest`, for a writer that may drop its
+  // reservation halfway (it checks each source as it copies it), which leaves the slot empty:
+  // only a slot that is empty, or that holds a bucket older than the newest complete update
+  // and the update under way which every live consumer is done with, as `block` asks (read or
+  // passed, and released by min_consumers). A dropped reservation then costs only a bucket no
+  // attached consumer will read, one its commit would have replaced. Under `block` with one
+  // bucket per update and 2 or more slots, that is every claim while the consumers keep up.
+  enum class Claim { Next, SparingNewest };
+
   // The in-place path: the next slot laid out like `layout` (its declare()d entries), for the
   // caller to write through Reservation::entry_spans() and publish with commit(). nullopt at
-  // the deadline. Publish nothing else while a reservation is open. On a CUDA channel the spans
-  // are device memory, to be written on `stream` (or before it, in stream order).
+  // the deadline; with `SparingNewest`, also at once when the slot to take holds a bucket it
+  // spares. Publish nothing else while a reservation is open. On a CUDA channel the spans are
+  // device memory, to be written on `stream` (or before it, in stream order).
   std::optional<Reservation> reserve(const BucketBuilder& layout, const Deadline& deadline,
-                                     CudaStream stream = nullptr);
+                                     CudaStream stream = nullptr, Claim claim = Claim::Next);
 
   // Waits until every live consumer released every published bucket (and min_consumers did).
   // False at the deadline.

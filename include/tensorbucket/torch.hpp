@@ -109,6 +109,16 @@ class StagedTensors {
 // differs (staged against another layout). Moves no tensor's reference count.
 bool publish_in_place(Publisher& publisher, const BucketBuilder& layout, const StagedTensors& staged,
                       const Deadline& deadline, CudaStream stream = nullptr);
+// Checks `tensor` as entry `index` of `reservation`, whose layout's entry that is, and copies
+// it there: false, writing nothing, when it no longer fits (see fits()); ManifestMismatch when
+// `entry` is not the reservation's entry `index` (no such index, or another byte length). For
+// a caller that keeps its tensors alive from the first write to the commit (the Python module,
+// under the GIL): each copy overlaps the checks of the tensors after it, and nothing is staged
+// or held. Such a writer may find a misfit halfway: it reserves with
+// Publisher::Claim::SparingNewest, so that dropping the reservation costs no bucket still
+// worth keeping.
+[[nodiscard]] bool write_tensor(Reservation& reservation, std::size_t index, const at::Tensor& tensor,
+                                const ManifestEntry& entry);
 // Whether `tensor` can travel as `entry` of a kept layout: same dtype and shape, on `where`,
 // and nothing layout_of() would refuse. Cheap enough to ask of every tensor on every step.
 bool fits(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation where = {}) noexcept;

@@ -211,7 +211,9 @@ class Publisher:
             published.
 
         Raises ManifestError or InvalidArgument for tensors that cannot be published (naming
-        the entry), before anything is written.
+        the entry), and publishes nothing. A small publish may find that halfway through its
+        copy: it then leaves empty the slot it was writing, which held only an older bucket
+        that every consumer was done with (never the newest update).
         """
         self._impl.publish(
             tensors,

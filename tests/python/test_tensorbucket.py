@@ -734,6 +734,49 @@ def test_a_refused_publish_leaves_the_newest_bucket_in_place(channel, bad):
             assert publisher.published == 2
 
 
+@pytest.mark.parametrize("bad", [None, torch.empty(4, device="meta")], ids=["not a tensor", "meta"])
+def test_a_publish_refused_halfway_keeps_the_newest_bucket(channel, bad):
+    """A small publish of the kept layout may check each tensor as it copies it, into a slot
+    whose bucket is older than the newest: refused late in the dict, it publishes nothing, the
+    newest bucket still arrives, and the next publish goes out whole."""
+    weights = {f"w{i}": torch.full((4,), float(i)) for i in range(8)}
+    with tensorbucket.Publisher(channel, slots=2) as publisher:
+        with tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+            publisher.publish(weights, version=0)
+            publisher.publish(weights, version=1)
+            subscriber.next(timeout=5).release()
+            with pytest.raises(tensorbucket.Error):
+                publisher.publish(dict(weights, w7=bad), version=2)
+            assert publisher.published == 2
+            publisher.publish(weights, version=2, timeout=5)
+            for version in (1, 2):
+                with subscriber.next(timeout=5) as bucket:
+                    assert bucket.version == version
+                    for name, tensor in weights.items():
+                        assert torch.equal(bucket[name], tensor), (version, name)
+
+
+@pytest.mark.parametrize("policy", ["block", "latest"])
+def test_a_refused_publish_leaves_the_newest_update_whole(channel, policy):
+    """The newest complete update of two buckets stays whole through a refused publish of the
+    next update's first bucket: a consumer that joins afterwards still receives all of it."""
+    parts = [{"x": torch.ones(4)}, {"y": torch.full((4,), 2.0)}]
+    slots = 6 if policy == "latest" else 2
+    with tensorbucket.Publisher(channel, slots=slots, max_consumers=2, policy=policy, update_buckets=2) as publisher:
+        with tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+            for version in range(2):
+                for index, part in enumerate(parts):
+                    publisher.publish(part, version=version, bucket_index=index, bucket_count=2)
+                with subscriber.next_update(timeout=5):
+                    pass
+            with pytest.raises(tensorbucket.Error):
+                publisher.publish({"x": None}, version=2, bucket_index=0, bucket_count=2)
+            with tensorbucket.Subscriber(channel, timeout=5) as joiner:
+                with joiner.next_update(timeout=5) as update:
+                    assert update.version == 1
+                    assert torch.equal(update.tensors()["y"], parts[1]["y"])
+
+
 def test_names_kept_from_bucket_to_bucket_follow_every_change(channel):
     """A subscriber reuses the str of each name from its last bucket of that index: a name
     changed in place, or a bucket of another index, still gets its own names."""
