@@ -62,12 +62,16 @@ Shape shape_of(const at::Tensor& tensor) {
 
 // Whether a tensor reaches past the end of its storage: one whose storage was shrunk under it
 // (untyped_storage().resize_(n), as FSDP frees a parameter's) would have a copy read or write
-// past the allocation. Nothing to check without a storage (a wrapper subclass) or with
-// symbolic sizes.
+// past the allocation. Nothing to check without a storage, with symbolic sizes, or for a
+// wrapper subclass (__torch_dispatch__ over a storage without memory: its bytes come through
+// copy_, and its sizes and strides may come from Python).
 bool storage_short(const at::Tensor& tensor) {
   const auto& impl = *tensor.unsafeGetTensorImpl();
   const auto& storage = impl.unsafe_storage();
-  if (!storage || impl.has_symbolic_sizes_strides() || impl.numel() == 0) return false;
+  if (!storage || impl.has_symbolic_sizes_strides() || (impl.is_python_dispatch() && storage.data() == nullptr)) {
+    return false;
+  }
+  if (impl.numel() == 0) return false;
   auto holds = storage.unsafeGetStorageImpl()->sym_nbytes().maybe_as_int();
   if (!holds) return false;
   auto itemsize = impl.itemsize();
@@ -93,6 +97,10 @@ void check_sendable(const std::string& name, const at::Tensor& tensor, PayloadLo
   if (tensor.layout() != at::kStrided) {
     fail(ErrorCode::InvalidArgument, "entry ", Quoted{name}, " has layout ", tensor.layout(),
          "; only strided (dense) tensors can be sent");
+  }
+  if (tensor.is_nested()) {
+    fail(ErrorCode::InvalidArgument, "entry ", Quoted{name},
+         " is a nested tensor, which has no one shape; send each of its tensors as an entry");
   }
   if (tensor.device() != device_of(where)) {
     fail(ErrorCode::InvalidArgument, "entry ", Quoted{name}, " is on ", tensor.device().str(), "; the channel's payloads live ",
@@ -376,14 +384,20 @@ bool fits(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation 
       tensor.layout() != at::kStrided) {
     return false;
   }
-  // An inline loop: std::equal becomes a memcmp call, a noticeable share of this at 1000 calls.
-  auto sizes = tensor.sizes();
-  if (sizes.size() != entry.shape.size()) return false;
-  for (std::size_t d = 0; d < sizes.size(); ++d) {
-    if (sizes[d] != entry.shape[d]) return false;
+  // A subclass's sizes may come from Python, and a nested tensor has none: what throws does
+  // not fit, and layout_of() then says why.
+  try {
+    // An inline loop: std::equal becomes a memcmp call, a noticeable share of this at 1000 calls.
+    auto sizes = tensor.sizes();
+    if (sizes.size() != entry.shape.size()) return false;
+    for (std::size_t d = 0; d < sizes.size(); ++d) {
+      if (sizes[d] != entry.shape[d]) return false;
+    }
+    auto type = torch_type(entry.dtype);
+    return type != at::ScalarType::Undefined && type == tensor.scalar_type() && !storage_short(tensor);
+  } catch (...) {
+    return false;
   }
-  auto type = torch_type(entry.dtype);
-  return type != at::ScalarType::Undefined && type == tensor.scalar_type() && !storage_short(tensor);
 }
 
 bool StagedTensors::add(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation where) {

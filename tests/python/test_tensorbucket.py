@@ -997,6 +997,51 @@ def test_a_tensor_whose_storage_was_freed_is_refused_by_name(channel):
                 tensorbucket.load_into(weights, {"bias": torch.zeros(4), "weight": torch.zeros(1 << 18)})
 
 
+@pytest.mark.parametrize("refuses_strides", [False, True], ids=["wrapper", "wrapper without strides"])
+def test_a_wrapper_subclass_is_sent_by_value_or_refused_with_its_own_error(channel, refuses_strides):
+    """A __torch_dispatch__ wrapper holds no bytes of its own (its storage has none, whatever
+    size it claims) and may answer for its sizes and strides from Python: the kept layout's
+    check of it neither refuses it for its storage nor lets its error end the process."""
+    class Wrapper(torch.Tensor):
+        @staticmethod
+        def __new__(cls, elem):
+            made = torch.Tensor._make_wrapper_subclass(cls, elem.shape, strides=elem.stride(), dtype=elem.dtype,
+                                                       storage_size=0, dispatch_sizes_strides_policy="strides")
+            made.elem = elem
+            return made
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            if refuses_strides and func.overloadpacket in (torch.ops.aten.is_contiguous, torch.ops.aten.stride):
+                raise NotImplementedError(f"Wrapper does not do {func}")
+            unwrap = lambda x: x.elem if isinstance(x, Wrapper) else x  # noqa: E731
+            return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+    wrapped = Wrapper(torch.arange(6.0))
+    with tensorbucket.Publisher(channel, slots=2) as publisher:
+        with tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+            publisher.publish({"w": torch.zeros(6)}, version=0)  # the kept layout
+            subscriber.next(timeout=5).release()
+            if refuses_strides:
+                with pytest.raises(NotImplementedError, match="Wrapper does not do"):
+                    publisher.publish({"w": wrapped}, version=1)
+                assert publisher.published == 1
+            else:
+                publisher.publish({"w": wrapped}, version=1)
+                with subscriber.next(timeout=5) as bucket:
+                    assert torch.equal(bucket["w"], torch.arange(6.0))
+
+
+def test_a_nested_tensor_is_refused_by_name(channel):
+    """Before, the kept layout's check of a nested tensor ended the process (it has no sizes)."""
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with tensorbucket.Publisher(channel, slots=2) as publisher:
+        publisher.publish({"w": torch.zeros(3)})
+        with pytest.raises(tensorbucket.InvalidArgument, match="entry 'w' is a nested tensor"):
+            publisher.publish({"w": nested})
+        assert publisher.published == 1
+
+
 def test_trainer_and_server_processes(channel):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")])))
     server = subprocess.Popen([sys.executable, str(EXAMPLES / "server.py"), channel, "5"], env=env,
