@@ -229,6 +229,44 @@ TEST(TorchBridge, WritesTensorsOneByOneIntoAReservation) {
   for (std::size_t i = 0; i < tensors.size(); ++i) EXPECT_TRUE(torch::equal(views[i].second, tensors[i].second)) << i;
 }
 
+// write_tensor() reads a plain CPU tensor's bytes straight from its fields; every other kind
+// that fits goes the general way. Each arrives with its values: a view at an offset (one
+// ending at its storage's very end), a tensor made in inference mode (other dispatch keys), a
+// lazily negated one, one that requires grad, a transposed one.
+TEST(TorchBridge, WriteTensorSendsTheValuesOfEveryKindThatFits) {
+  auto base = torch::arange(100, at::kFloat);
+  at::Tensor inference;
+  {
+    c10::InferenceMode mode;
+    inference = torch::arange(64, at::kFloat) * 3;
+  }
+  NamedTensors tensors{{"offset", base.slice(0, 10, 74)},
+                       {"at_the_end", base.slice(0, 36, 100)},
+                       {"inference", inference},
+                       {"negated", torch::arange(64, at::kFloat)._neg_view()},
+                       {"grad", torch::arange(64, at::kFloat).requires_grad_()},
+                       {"transposed", torch::arange(64, at::kFloat).reshape({8, 8}).t()}};
+  auto layout = torch_bridge::layout_of(tensors);
+  auto channel = channel_for_test();
+  auto publisher = Publisher::create(channel);
+  auto subscriber = Subscriber::attach(channel, 1s);
+  auto reservation = publisher.reserve(layout, 1s);
+  ASSERT_TRUE(reservation.has_value());
+  const auto& entries = layout.manifest().entries;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    ASSERT_TRUE(torch_bridge::write_tensor(*reservation, i, tensors[i].second, entries[i])) << tensors[i].first;
+  }
+  reservation->commit();
+  auto received = subscriber.next(1s);
+  ASSERT_TRUE(received.has_value());
+  auto views = torch_bridge::tensors(std::make_shared<const ReceivedBucket>(std::move(*received)));
+  ASSERT_EQ(views.size(), tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    EXPECT_TRUE(torch::equal(views[i].second, tensors[i].second.detach().resolve_neg())) << tensors[i].first;
+  }
+  EXPECT_EQ(views[3].second[5].item<float>(), -5.0f);
+}
+
 // A tensor that no longer fits writes nothing and says so; the reservation dropped publishes
 // nothing; an entry of another layout, or past the last, is refused before any copy.
 TEST(TorchBridge, WriteTensorRefusesWhatNoLongerFits) {
