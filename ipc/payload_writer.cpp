@@ -24,6 +24,7 @@ PayloadWriter::PayloadWriter(std::optional<int> device) : device_(device) {
 void PayloadWriter::begin(ControlBlock& control, int locks, std::uint32_t s, std::uint32_t slot_count,
                           std::span<const ManifestEntry> entries, std::span<std::byte> payload, bool padding_zeroed,
                           DeviceStream stream) {
+  padding_zeroed_ = padding_zeroed;
   if (!device_) return;
   DeviceScope scope(*device_);
   stream_ = stream;
@@ -37,7 +38,7 @@ void PayloadWriter::begin(ControlBlock& control, int locks, std::uint32_t s, std
 
 void PayloadWriter::zero_padding(std::span<const ManifestEntry> entries, std::span<std::byte> payload,
                                  bool streaming) const {
-  if (device_) return;  // begin() zeroed it on the device
+  if (device_ || padding_zeroed_) return;  // begin() zeroed it on the device
   detail::for_each_gap(entries, payload.size(), [&](std::uint64_t offset, std::uint64_t bytes) {
     detail::zero_bytes(payload.data() + offset, bytes, streaming);
   });

@@ -696,7 +696,7 @@ Reservation::Reservation(detail::PublisherState* state, std::uint64_t payload_by
     : state_(state), payload_bytes_(payload_bytes), spans_(std::move(spans)) {
   std::uint64_t entry_bytes = 0;
   for (const auto& span : spans_) entry_bytes += span.size();
-  writing_ = std::make_unique<detail::ReservationWriting>(payload(), streaming, state->wake_near_end(entry_bytes));
+  writing_ = std::make_unique<detail::ReservationWriting>(whole(), streaming, state->wake_near_end(entry_bytes));
 }
 
 Reservation::Reservation(Reservation&& other) noexcept
@@ -723,6 +723,16 @@ void Reservation::write_all(std::span<const void* const> sources) {
     fail(ErrorCode::InvalidArgument, sources.size(), " sources were given for ", spans_.size(), " entries");
   }
   state_->writer.write_entries(spans_, sources, writing_->copier);
+}
+
+std::span<std::byte> Reservation::payload() const noexcept {
+  // Its padding may now be written: the slot's next reservation must not take it as zeroed.
+  if (state_ != nullptr) state_->slots[state_->open_slot].payload_layout = 0;
+  return whole();
+}
+
+std::span<std::byte> Reservation::whole() const noexcept {
+  return spans_.empty() ? std::span<std::byte>() : std::span<std::byte>(spans_.front().data(), payload_bytes_);
 }
 
 PayloadLocation Reservation::location() const noexcept {

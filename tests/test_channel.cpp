@@ -290,6 +290,47 @@ TEST_F(Channel, ReservationPaddingCarriesNoOlderBytes) {
   for (std::size_t i = 8; i < 256; ++i) ASSERT_EQ(start[i], std::byte{0}) << "padding byte " << i;
 }
 
+// A slot whose last layout was the same one keeps its zeroed padding (reserve() does not zero
+// it again), unless a writer had the whole payload(): what it wrote in the padding travels with
+// its own bucket only.
+TEST_F(Channel, PaddingWrittenThroughPayloadTravelsWithThatBucketOnly) {
+  auto publisher = Publisher::create(channel, {.slots = 1});
+  auto subscriber = Subscriber::attach(channel, 1s);
+  auto layout = cli::make_layout({.tensors = 2, .tensor_bytes = 8}, 1);  // padding: 8..255, 264..511
+  auto padding_of = [](const BucketView& view) {
+    const auto* start = view[0].bytes.data();
+    std::vector<std::byte> padding(start + 8, start + 256);
+    padding.insert(padding.end(), start + 264, start + 512);
+    return padding;
+  };
+  for (int round = 0; round < 2; ++round) {  // entries only, with the same layout again
+    auto reservation = publisher.reserve(layout, 1s);
+    ASSERT_TRUE(reservation.has_value());
+    for (auto span : reservation->entry_spans()) std::fill(span.begin(), span.end(), std::byte{7});
+    reservation->commit();
+    auto bucket = next_bucket(subscriber, 1s);
+    EXPECT_EQ(padding_of(bucket.view()), std::vector<std::byte>(496, std::byte{0})) << "round " << round;
+    bucket.release();
+  }
+  {
+    auto reservation = publisher.reserve(layout, 1s);
+    ASSERT_TRUE(reservation.has_value());
+    auto payload = reservation->payload();
+    std::fill(payload.begin(), payload.end(), std::byte{0x55});
+    reservation->commit();
+    auto bucket = next_bucket(subscriber, 1s);
+    EXPECT_EQ(padding_of(bucket.view()), std::vector<std::byte>(496, std::byte{0x55}));
+    bucket.release();
+  }
+  auto reservation = publisher.reserve(layout, 1s);
+  ASSERT_TRUE(reservation.has_value());
+  for (auto span : reservation->entry_spans()) std::fill(span.begin(), span.end(), std::byte{7});
+  reservation->commit();
+  auto bucket = next_bucket(subscriber, 1s);
+  EXPECT_EQ(bucket.view()[1].bytes[0], std::byte{7});
+  EXPECT_EQ(padding_of(bucket.view()), std::vector<std::byte>(496, std::byte{0}));
+}
+
 // The same for a payload whose copies stream (detail::streaming_from()), its padding
 // zeroed with streaming stores too: 896-byte entries leave 128 bytes after each.
 TEST_F(Channel, StreamedReservationPaddingCarriesNoOlderBytes) {

@@ -192,11 +192,10 @@ class Reservation {
   // until written: write every entry.
   std::span<const std::span<std::byte>> entry_spans() const noexcept { return spans_; }
   // The whole payload in one span: every entry's, in layout order from offset 0, and the
-  // padding between them (zeroed on the host). For a writer that has a payload's bytes in one
-  // piece, laid out as the layout lays them (a relay receiving a bucket).
-  std::span<std::byte> payload() const noexcept {
-    return spans_.empty() ? std::span<std::byte>() : std::span<std::byte>(spans_.front().data(), payload_bytes_);
-  }
+  // padding between them (zeroed). For a writer that has a payload's bytes in one piece, laid
+  // out as the layout lays them (a relay receiving a bucket). Whatever it writes in the padding
+  // travels with this bucket only: the slot's next reservation zeroes the padding again.
+  std::span<std::byte> payload() const noexcept;
   PayloadLocation location() const noexcept;
 
   // Copies entry `index`'s bytes (its byte_length) from `data` into its span, as packing does:
@@ -223,6 +222,7 @@ class Reservation {
 
  private:
   friend class Publisher;
+  std::span<std::byte> whole() const noexcept;  // payload(), leaving the padding's word alone
   Reservation(detail::PublisherState* state, std::uint64_t payload_bytes,
               std::vector<std::span<std::byte>> spans, bool streaming);
   detail::PublisherState* state_;  // null once committed or moved from
