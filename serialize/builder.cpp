@@ -351,11 +351,11 @@ std::vector<std::span<std::byte>> BucketBuilder::entry_spans(std::span<std::byte
          payload_bytes_);
   }
   settle();
+  // Every entry ends within payload_bytes_, checked above: spans made directly, without
+  // subspan()'s checks (a reservation makes 1000 of them every step).
   std::vector<std::span<std::byte>> spans;
   spans.reserve(manifest_.entries.size());
-  for (const auto& entry : manifest_.entries) {
-    spans.push_back(payload.subspan(entry.byte_offset, entry.byte_length));
-  }
+  for (const auto& entry : manifest_.entries) spans.emplace_back(payload.data() + entry.byte_offset, entry.byte_length);
   return spans;
 }
 
