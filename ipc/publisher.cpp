@@ -397,6 +397,7 @@ struct detail::PublisherState {
   void abandon() noexcept {
     auto s = open_slot;
     slots[s].generation = 0;
+    slots[s].payload_layout = 0;  // begin() set it before the host padding was zeroed (a pack that threw)
     ipc::atomic(shared_slot(s).generation).store(0, std::memory_order_release);
     ipc::futex_bump_and_wake(control->consumer_wake);
   }

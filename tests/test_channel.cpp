@@ -331,6 +331,25 @@ TEST_F(Channel, PaddingWrittenThroughPayloadTravelsWithThatBucketOnly) {
   EXPECT_EQ(padding_of(bucket.view()), std::vector<std::byte>(496, std::byte{0}));
 }
 
+// A publish() that fails after its claim (a layout declared for in-place writing, which it
+// cannot pack) leaves no word that the slot's padding was zeroed: the next reservation of that
+// layout zeroes it.
+TEST_F(Channel, AFailedPublishLeavesThePaddingToBeZeroed) {
+  auto publisher = Publisher::create(channel, {.slots = 1});
+  auto subscriber = Subscriber::attach(channel, 1s);
+  ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 2, .tensor_bytes = 512}, 0).builder, 1s));
+  next_bucket(subscriber, 1s).release();
+  auto layout = cli::make_layout({.tensors = 2, .tensor_bytes = 8}, 1);  // padding: 8..255, 264..511
+  expect_error(ErrorCode::InvalidArgument, [&] { publisher.publish(layout, 1s); });
+  auto reservation = publisher.reserve(layout, 1s);
+  ASSERT_TRUE(reservation.has_value());
+  for (auto span : reservation->entry_spans()) std::fill(span.begin(), span.end(), std::byte{7});
+  reservation->commit();
+  auto bucket = next_bucket(subscriber, 1s);
+  const auto* start = bucket.view()[0].bytes.data();
+  for (std::size_t i = 8; i < 256; ++i) ASSERT_EQ(start[i], std::byte{0}) << "padding byte " << i;
+}
+
 // The same for a payload whose copies stream (detail::streaming_from()), its padding
 // zeroed with streaming stores too: 896-byte entries leave 128 bytes after each.
 TEST_F(Channel, StreamedReservationPaddingCarriesNoOlderBytes) {
