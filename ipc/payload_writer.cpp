@@ -38,7 +38,7 @@ void PayloadWriter::begin(ControlBlock& control, int locks, std::uint32_t s, std
 
 void PayloadWriter::zero_padding(std::span<const ManifestEntry> entries, std::span<std::byte> payload,
                                  bool streaming) const {
-  if (device_ || padding_zeroed_) return;  // begin() zeroed it on the device
+  if (device_ || padding_zeroed_) return;  // begin() zeroed it on the device; else still zero
   detail::for_each_gap(entries, payload.size(), [&](std::uint64_t offset, std::uint64_t bytes) {
     detail::zero_bytes(payload.data() + offset, bytes, streaming);
   });

@@ -40,7 +40,7 @@ class PayloadWriter {
   // For a reservation, whose writer fills the entries: the padding between them zeroed (on a
   // device, begin() did it), so that no bytes of an older bucket travel in it; nothing when
   // begin() was told the slot's last layout was this one, whose padding no write since has
-  // touched (walking 1000 entries to find no gap was ~0.02 of a publish). Only the padding:
+  // touched (a Python publish of 1000 x 4-byte entries took 0.83x the time). Only the padding:
   // zeroing a whole 256 MiB payload evicted the caches the handoff then needed.
   // `streaming`: with streaming stores, as the entries are then written (fenced at commit).
   void zero_padding(std::span<const ManifestEntry> entries, std::span<std::byte> payload, bool streaming) const;

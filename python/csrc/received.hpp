@@ -149,7 +149,7 @@ class PyBucket {
     if (!views_[i]) {
       if (!made_) made_ = std::make_unique<torch_bridge::BucketViews>(bucket_);
       // The rvalue overload: the new PyObject takes the tensor's only reference, so none is
-      // dropped through the interpreter on the way out (a tenth of a bucket's tensors()).
+      // dropped through the interpreter on the way out (~0.2 of a bucket's tensors()).
       PyObject* made = THPVariable_Wrap((*made_)[i]);
       if (made == nullptr) throw py::error_already_set();
       views_[i] = py::reinterpret_steal<py::object>(made);
