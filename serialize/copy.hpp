@@ -7,9 +7,9 @@
 // memcpy of the same bytes; 1000 x 8 KiB and x 16 KiB handed off in 0.5-0.8x the time with
 // streaming from 4 MiB, bench/RESULTS.md, issue 21). On an Intel Xeon host glibc's memcpy,
 // which picks its routine per CPU, wrote 256 MiB faster than a sequential streaming loop; the
-// loop now reads several pages in turn with the CPU's widest stores, which beat it there
-// (issue 43). Neither is fixed: a process times its first large packs with each and keeps the
-// faster (large_copies()).
+// loop now reads several pages in turn, a few lines of each, with the CPU's widest stores,
+// which beat it on both Intel hosts measured (issue 43). Neither is fixed: a process times its
+// first large packs with each and keeps the faster (large_copies()).
 //
 // Smaller payloads stream without timing from streaming_from(): a copy timed alone does not
 // see what memcpy leaves behind (see there).

@@ -265,8 +265,8 @@ TEST(Copy, NearEndWakesOnceWithinItsLead) {
 
 // A streaming copy (pages in turn), with each routine this CPU runs and with the one copy_bytes()
 // picks, writes every byte of any length to any alignment, and nothing around it: heads before
-// the first 64-byte boundary, groups of fewer pages than a full turn, lines and bytes past the
-// last page. Off x86-64 there is no routine, and copy_bytes() copies with memcpy.
+// the first 64-byte boundary, groups of fewer pages or lines than a full turn, lines and bytes
+// past the last page. Off x86-64 there is no routine, and copy_bytes() copies with memcpy.
 TEST(Copy, StreamingCopiesEveryByteAtAnyAlignmentAndNothingElse) {
   constexpr std::size_t kPage = 4096, kGuard = 256;
   const std::size_t lengths[] = {0, 1, 63, 64, 65, 200, kPage - 1, kPage, kPage + 1, 3 * kPage + 64,
