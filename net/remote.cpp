@@ -69,7 +69,7 @@ struct RemoteState {
 
   // Throws NetworkError when the link failed.
   void check_link() {
-    if (endpoint.failed != UCS_OK) lost("failed: ", ucs_status_string(endpoint.failed));
+    if (endpoint.failed != UCS_OK) lost("failed: ", ucx().status_string(endpoint.failed));
   }
 
   // A refusal at the front door: Unauthorized for a wrong token (trying again will not help),

@@ -447,7 +447,7 @@ struct ServerState {
       auto& peer = *it;
       // A transfer under way fails with the link, and says less than the link's end does.
       if (peer.endpoint.failed != UCS_OK && (peer.problem.empty() || peer.transfer_failed)) {
-        peer.problem = message("the link ended (", ucs_status_string(peer.endpoint.failed),
+        peer.problem = message("the link ended (", ucx().status_string(peer.endpoint.failed),
                                "): the relay left, or its host or the network failed");
       }
       if (peer.live()) {

@@ -1,5 +1,6 @@
 #include "ucx.hpp"
 
+#include <dlfcn.h>
 #include <poll.h>
 
 #include <cstdio>
@@ -7,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <thread>
+#include <type_traits>
 
 #include "base/text.hpp"
 #include "tensorbucket/error.hpp"
@@ -15,8 +17,48 @@ namespace tensorbucket::net::detail {
 
 using text::fail;
 
+const Ucx& ucx() {
+  static const Ucx loaded = [] {
+    // RTLD_LOCAL: UCX's symbols stay out of the process's global scope. Never closed: UCX
+    // cannot be unloaded while its hooks are in place.
+    void* library = ::dlopen("libucp.so.0", RTLD_NOW | RTLD_LOCAL);
+    if (library == nullptr) {
+      fail(ErrorCode::NetworkError, "cannot load UCX (libucp.so.0), which the network side needs: ", ::dlerror());
+    }
+    Ucx api{};
+    auto find = [&](auto& function, const char* name) {
+      function = reinterpret_cast<std::remove_reference_t<decltype(function)>>(::dlsym(library, name));
+      if (function == nullptr) fail(ErrorCode::NetworkError, "the UCX loaded (libucp.so.0) has no ", name);
+    };
+    find(api.status_string, "ucs_status_string");
+    find(api.config_read, "ucp_config_read");
+    find(api.config_modify, "ucp_config_modify");
+    find(api.config_print, "ucp_config_print");
+    find(api.config_release, "ucp_config_release");
+    find(api.init_version, "ucp_init_version");
+    find(api.cleanup, "ucp_cleanup");
+    find(api.worker_create, "ucp_worker_create");
+    find(api.worker_destroy, "ucp_worker_destroy");
+    find(api.worker_get_efd, "ucp_worker_get_efd");
+    find(api.worker_query, "ucp_worker_query");
+    find(api.worker_release_address, "ucp_worker_release_address");
+    find(api.worker_progress, "ucp_worker_progress");
+    find(api.worker_arm, "ucp_worker_arm");
+    find(api.ep_create, "ucp_ep_create");
+    find(api.ep_close_nbx, "ucp_ep_close_nbx");
+    find(api.tag_send_nbx, "ucp_tag_send_nbx");
+    find(api.tag_probe_nb, "ucp_tag_probe_nb");
+    find(api.tag_msg_recv_nbx, "ucp_tag_msg_recv_nbx");
+    find(api.request_check_status, "ucp_request_check_status");
+    find(api.request_cancel, "ucp_request_cancel");
+    find(api.request_free, "ucp_request_free");
+    return api;
+  }();
+  return loaded;
+}
+
 void fail_ucx(std::string_view what, ucs_status_t status) {
-  fail(ErrorCode::NetworkError, what, ": ", ucs_status_string(status));
+  fail(ErrorCode::NetworkError, what, ": ", ucx().status_string(status));
 }
 
 namespace {
@@ -28,7 +70,7 @@ std::string configured_net_devices(const ucp_config_t* config) {
   std::size_t size = 0;
   FILE* out = ::open_memstream(&text, &size);
   if (out == nullptr) return {};
-  ucp_config_print(config, out, nullptr, UCS_CONFIG_PRINT_CONFIG);
+  ucx().config_print(config, out, nullptr, UCS_CONFIG_PRINT_CONFIG);
   std::fclose(out);
   std::string printed(text, size);
   std::free(text);
@@ -57,11 +99,11 @@ std::string rdma_ports() {
 
 Worker::Worker(const std::string& interface, sa_family_t family) {
   ucp_config_t* config = nullptr;
-  if (auto status = ucp_config_read(nullptr, nullptr, &config); status != UCS_OK) fail_ucx("ucp_config_read", status);
+  if (auto status = ucx().config_read(nullptr, nullptr, &config); status != UCS_OK) fail_ucx("ucp_config_read", status);
   // One setting of ours in the configuration, or the configuration let go of and NetworkError.
   auto set = [&](const char* name, const char* value, std::string_view what) {
-    if (auto status = ucp_config_modify(config, name, value); status != UCS_OK) {
-      ucp_config_release(config);
+    if (auto status = ucx().config_modify(config, name, value); status != UCS_OK) {
+      ucx().config_release(config);
       fail_ucx(what, status);
     }
   };
@@ -80,19 +122,19 @@ Worker::Worker(const std::string& interface, sa_family_t family) {
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
-  auto status = ucp_init(&params, config, &context_);
-  ucp_config_release(config);
+  auto status = ucx().init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &context_);
+  ucx().config_release(config);
   if (status != UCS_OK) fail_ucx("ucp_init", status);
   ucp_worker_params_t worker_params{};
   worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;
-  if (status = ucp_worker_create(context_, &worker_params, &worker_); status != UCS_OK) {
-    ucp_cleanup(context_);
+  if (status = ucx().worker_create(context_, &worker_params, &worker_); status != UCS_OK) {
+    ucx().cleanup(context_);
     fail_ucx("ucp_worker_create", status);
   }
-  if (status = ucp_worker_get_efd(worker_, &event_fd_); status != UCS_OK) {
-    ucp_worker_destroy(worker_);
-    ucp_cleanup(context_);
+  if (status = ucx().worker_get_efd(worker_, &event_fd_); status != UCS_OK) {
+    ucx().worker_destroy(worker_);
+    ucx().cleanup(context_);
     fail_ucx("ucp_worker_get_efd", status);
   }
 }
@@ -103,22 +145,22 @@ Worker::~Worker() {
   // so no receive still under way writes into a buffer its owner already let go of.
   static std::byte scratch[64];  // received into only when a message is already here whole
   ucp_tag_recv_info_t info{};
-  while (auto* message = ucp_tag_probe_nb(worker_, 0, 0, 1, &info)) {
+  while (auto* message = ucx().tag_probe_nb(worker_, 0, 0, 1, &info)) {
     ucp_request_param_t param{};
-    auto receiving = ucp_tag_msg_recv_nbx(worker_, scratch, sizeof scratch, message, &param);
-    if (UCS_PTR_IS_PTR(receiving)) ucp_request_free(receiving);
+    auto receiving = ucx().tag_msg_recv_nbx(worker_, scratch, sizeof scratch, message, &param);
+    if (UCS_PTR_IS_PTR(receiving)) ucx().request_free(receiving);
   }
-  ucp_worker_destroy(worker_);
-  ucp_cleanup(context_);
+  ucx().worker_destroy(worker_);
+  ucx().cleanup(context_);
 }
 
 std::vector<std::byte> Worker::address() const {
   ucp_worker_attr_t attr{};
   attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
-  if (auto status = ucp_worker_query(worker_, &attr); status != UCS_OK) fail_ucx("ucp_worker_query", status);
+  if (auto status = ucx().worker_query(worker_, &attr); status != UCS_OK) fail_ucx("ucp_worker_query", status);
   auto* bytes = reinterpret_cast<const std::byte*>(attr.address);
   std::vector<std::byte> address(bytes, bytes + attr.address_length);
-  ucp_worker_release_address(worker_, attr.address);
+  ucx().worker_release_address(worker_, attr.address);
   if (address.empty() || address.size() > kMaxWorkerAddress) {
     fail(ErrorCode::NetworkError, "UCX's worker address has ", address.size(), " bytes; the front door carries 1 to ",
          kMaxWorkerAddress);
@@ -128,13 +170,13 @@ std::vector<std::byte> Worker::address() const {
 
 bool Worker::progress() noexcept {
   bool any = false;
-  for (int call = 0; call < progress_calls_ && ucp_worker_progress(worker_) != 0; ++call) any = true;
+  for (int call = 0; call < progress_calls_ && ucx().worker_progress(worker_) != 0; ++call) any = true;
   return any;
 }
 
 void Worker::wait(std::chrono::microseconds limit) {
   progress();
-  auto status = ucp_worker_arm(worker_);
+  auto status = ucx().worker_arm(worker_);
   if (status == UCS_ERR_BUSY) return;  // events came in meanwhile: the caller looks at them
   if (status != UCS_OK) fail_ucx("ucp_worker_arm", status);
   pollfd fd{event_fd_, POLLIN, 0};
@@ -176,39 +218,39 @@ Request::~Request() { cancel(); }
 
 bool Request::done() {
   if (request_ == nullptr) return true;
-  auto status = ucp_request_check_status(request_);
+  auto status = ucx().request_check_status(request_);
   if (status == UCS_INPROGRESS) return false;
-  ucp_request_free(request_);
+  ucx().request_free(request_);
   request_ = nullptr;
   if (status != UCS_OK) fail_ucx(what_, status);
   return true;
 }
 
 bool Request::ended() const noexcept {
-  return request_ == nullptr || ucp_request_check_status(request_) != UCS_INPROGRESS;
+  return request_ == nullptr || ucx().request_check_status(request_) != UCS_INPROGRESS;
 }
 
 void Request::cancel() noexcept {
   if (request_ == nullptr) return;
-  if (ucp_request_check_status(request_) == UCS_INPROGRESS) ucp_request_cancel(worker_, request_);
-  ucp_request_free(request_);  // UCX frees it once it completes
+  if (ucx().request_check_status(request_) == UCS_INPROGRESS) ucx().request_cancel(worker_, request_);
+  ucx().request_free(request_);  // UCX frees it once it completes
   request_ = nullptr;
 }
 
 Request send(ucp_worker_h worker, ucp_ep_h ep, std::span<const std::byte> bytes, ucp_tag_t tag) {
   ucp_request_param_t param{};
-  return Request(worker, ucp_tag_send_nbx(ep, bytes.data(), bytes.size(), tag, &param), "sending");
+  return Request(worker, ucx().tag_send_nbx(ep, bytes.data(), bytes.size(), tag, &param), "sending");
 }
 
 Request receive(ucp_worker_h worker, ucp_tag_message_h message, std::span<std::byte> into) {
   ucp_request_param_t param{};
-  return Request(worker, ucp_tag_msg_recv_nbx(worker, into.data(), into.size(), message, &param), "receiving");
+  return Request(worker, ucx().tag_msg_recv_nbx(worker, into.data(), into.size(), message, &param), "receiving");
 }
 
 ucp_tag_message_h probe(ucp_worker_h worker, ucp_tag_t tag, ucp_tag_t mask, std::size_t* length,
                         ucp_tag_t* sender_tag) noexcept {
   ucp_tag_recv_info_t info{};
-  auto message = ucp_tag_probe_nb(worker, tag, mask, 1, &info);
+  auto message = ucx().tag_probe_nb(worker, tag, mask, 1, &info);
   if (message != nullptr) {
     *length = info.length;
     if (sender_tag != nullptr) *sender_tag = info.sender_tag;
@@ -218,7 +260,7 @@ ucp_tag_message_h probe(ucp_worker_h worker, ucp_tag_t tag, ucp_tag_t mask, std:
 
 std::optional<ucp_tag_t> oldest_tag(ucp_worker_h worker) noexcept {
   ucp_tag_recv_info_t info{};
-  if (ucp_tag_probe_nb(worker, 0, 0, 0, &info) == nullptr) return std::nullopt;
+  if (ucx().tag_probe_nb(worker, 0, 0, 0, &info) == nullptr) return std::nullopt;
   return info.sender_tag;
 }
 
@@ -234,7 +276,7 @@ void create(ucp_worker_h worker, Endpoint& endpoint, ucp_ep_params_t& params, st
   params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   params.err_handler.cb = on_error;
   params.err_handler.arg = &endpoint;
-  if (auto status = ucp_ep_create(worker, &params, &endpoint.ep); status != UCS_OK) fail_ucx(what, status);
+  if (auto status = ucx().ep_create(worker, &params, &endpoint.ep); status != UCS_OK) fail_ucx(what, status);
 }
 
 }  // namespace
@@ -251,14 +293,14 @@ void close(Worker& worker, Endpoint& endpoint, std::chrono::milliseconds limit, 
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   param.flags = flush && endpoint.failed == UCS_OK ? 0 : UCP_EP_CLOSE_FLAG_FORCE;
-  auto closing = ucp_ep_close_nbx(std::exchange(endpoint.ep, nullptr), &param);
+  auto closing = ucx().ep_close_nbx(std::exchange(endpoint.ep, nullptr), &param);
   if (!UCS_PTR_IS_PTR(closing)) return;
   auto until = Clock::now() + limit;
-  while (ucp_request_check_status(closing) == UCS_INPROGRESS && Clock::now() < until) {
+  while (ucx().request_check_status(closing) == UCS_INPROGRESS && Clock::now() < until) {
     worker.progress();
     std::this_thread::yield();
   }
-  ucp_request_free(closing);
+  ucx().request_free(closing);
 }
 
 }  // namespace tensorbucket::net::detail

@@ -18,6 +18,38 @@
 
 namespace tensorbucket::net::detail {
 
+// The UCX functions the network side calls, from UCX loaded on first use instead of linked:
+// as it loads, UCX (1.22) patches the process's mmap and friends, pausing 5 ms for each
+// function it patches, which cost every tbucket command and every `import tensorbucket`
+// 0.2-0.4 s whether it used the network or not.
+struct Ucx {
+  decltype(&ucs_status_string) status_string;
+  decltype(&ucp_config_read) config_read;
+  decltype(&ucp_config_modify) config_modify;
+  decltype(&ucp_config_print) config_print;
+  decltype(&ucp_config_release) config_release;
+  decltype(&ucp_init_version) init_version;  // what ucp_init() calls
+  decltype(&ucp_cleanup) cleanup;
+  decltype(&ucp_worker_create) worker_create;
+  decltype(&ucp_worker_destroy) worker_destroy;
+  decltype(&ucp_worker_get_efd) worker_get_efd;
+  decltype(&ucp_worker_query) worker_query;
+  decltype(&ucp_worker_release_address) worker_release_address;
+  decltype(&ucp_worker_progress) worker_progress;
+  decltype(&ucp_worker_arm) worker_arm;
+  decltype(&ucp_ep_create) ep_create;
+  decltype(&ucp_ep_close_nbx) ep_close_nbx;
+  decltype(&ucp_tag_send_nbx) tag_send_nbx;
+  decltype(&ucp_tag_probe_nb) tag_probe_nb;
+  decltype(&ucp_tag_msg_recv_nbx) tag_msg_recv_nbx;
+  decltype(&ucp_request_check_status) request_check_status;
+  decltype(&ucp_request_cancel) request_cancel;
+  decltype(&ucp_request_free) request_free;
+};
+// Loads UCX (libucp.so.0, where the build found it) on the first call; NetworkError when it
+// cannot.
+const Ucx& ucx();
+
 // NetworkError naming the UCX call and its status.
 [[noreturn]] void fail_ucx(std::string_view what, ucs_status_t status);
 
