@@ -19,16 +19,24 @@ using text::fail;
 
 const Ucx& ucx() {
   static const Ucx loaded = [] {
+    // From the folder the build found it in, else wherever the dynamic loader finds it.
     // RTLD_LOCAL: UCX's symbols stay out of the process's global scope. Never closed: UCX
     // cannot be unloaded while its hooks are in place.
-    void* library = ::dlopen("libucp.so.0", RTLD_NOW | RTLD_LOCAL);
+    std::string_view folder = TENSORBUCKET_UCX_LIBDIR;
+    std::string path = folder.empty() ? "libucp.so.0" : std::string(folder) + "/libucp.so.0";
+    void* library = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (library == nullptr) {
-      fail(ErrorCode::NetworkError, "cannot load UCX (libucp.so.0), which the network side needs: ", ::dlerror());
+      std::string why = ::dlerror();
+      path = "libucp.so.0";
+      library = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (library == nullptr) {
+        fail(ErrorCode::NetworkError, "cannot load UCX, which the network side needs: ", why);
+      }
     }
     Ucx api{};
     auto find = [&](auto& function, const char* name) {
       function = reinterpret_cast<std::remove_reference_t<decltype(function)>>(::dlsym(library, name));
-      if (function == nullptr) fail(ErrorCode::NetworkError, "the UCX loaded (libucp.so.0) has no ", name);
+      if (function == nullptr) fail(ErrorCode::NetworkError, "the UCX loaded (", path, ") has no ", name);
     };
     find(api.status_string, "ucs_status_string");
     find(api.config_read, "ucp_config_read");

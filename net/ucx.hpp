@@ -47,7 +47,7 @@ struct Ucx {
   decltype(&ucp_request_free) request_free;
 };
 // Loads UCX (libucp.so.0, where the build found it) on the first call; NetworkError when it
-// cannot.
+// cannot. Made by the first Worker: what takes a worker, request or endpoint finds it loaded.
 const Ucx& ucx();
 
 // NetworkError naming the UCX call and its status.
