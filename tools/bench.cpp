@@ -5,10 +5,14 @@
 // never touches CUDA itself, and forks its consumer before it does (a process must not fork
 // after); a bucket counts as received once its bytes are ready on the consumer's stream
 // (ReceivedBucket::wait_ready()).
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -47,10 +51,10 @@ struct Latency {
   bool ok = false;
 };
 
-// Forks a consumer of `channel` that takes `count` buckets (the first `warmup` not counted)
-// and reports latency; `drive(i)` publishes bucket i in this process.
-Latency measure(const std::string& channel, int count, int warmup, Wait wait, Clock clock,
-                const std::function<bool(int)>& drive, bool wait_ready = false) {
+// Runs `consume` in a forked child while this process runs drive(0), drive(1), ... until one
+// returns false or `count` ran; `consume` returns its latencies in microseconds, or exits the
+// child itself (kTimeout). Their median and p99.
+Latency forked(int count, const std::function<std::vector<double>()>& consume, const std::function<bool(int)>& drive) {
   int report[2];
   if (::pipe(report) != 0) return {};
   std::fflush(nullptr);  // or the child would print our buffered output again
@@ -58,22 +62,7 @@ Latency measure(const std::string& channel, int count, int warmup, Wait wait, Cl
   if (consumer == 0) {
     std::vector<double> latencies;
     try {
-      auto subscriber = Subscriber::attach(channel, 10s);
-      for (int i = 0; i < count; ++i) {
-        std::optional<ReceivedBucket> bucket;
-        if (wait == Wait::Spin) {
-          while (!(bucket = subscriber.try_next())) {
-          }
-        } else {
-          bucket = subscriber.next(10s);
-        }
-        if (!bucket) ::_exit(kTimeout);
-        if (wait_ready) bucket->wait_ready();
-        auto from = clock == Clock::FromVisible  ? bucket->published_ns()
-                    : clock == Clock::FromVersion ? bucket->view().version()
-                                                  : bucket->publish_start_ns();
-        if (i >= warmup) latencies.push_back(static_cast<double>(monotonic_ns() - from) / 1000);
-      }
+      latencies = consume();
     } catch (const std::exception& e) {
       std::fprintf(stderr, "tbucket bench: consumer: %s\n", e.what());
       ::_exit(kOtherError);
@@ -82,6 +71,10 @@ Latency measure(const std::string& channel, int count, int warmup, Wait wait, Cl
     ::_exit(::write(report[1], values, sizeof values) == sizeof values ? kOk : kOtherError);
   }
   ::close(report[1]);
+  if (consumer < 0) {
+    ::close(report[0]);
+    return {};
+  }
   bool driven = true;
   try {
     for (int i = 0; i < count && driven; ++i) driven = drive(i);
@@ -99,6 +92,33 @@ Latency measure(const std::string& channel, int count, int warmup, Wait wait, Cl
   int status = 0;
   ::waitpid(consumer, &status, 0);
   return {values[0], values[1], driven && reported && WIFEXITED(status) && WEXITSTATUS(status) == 0};
+}
+
+// Forks a consumer of `channel` that takes `count` buckets (the first `warmup` not counted)
+// and reports latency; `drive(i)` publishes bucket i in this process.
+Latency measure(const std::string& channel, int count, int warmup, Wait wait, Clock clock,
+                const std::function<bool(int)>& drive, bool wait_ready = false) {
+  auto consume = [&] {
+    std::vector<double> latencies;
+    auto subscriber = Subscriber::attach(channel, 10s);
+    for (int i = 0; i < count; ++i) {
+      std::optional<ReceivedBucket> bucket;
+      if (wait == Wait::Spin) {
+        while (!(bucket = subscriber.try_next())) {
+        }
+      } else {
+        bucket = subscriber.next(10s);
+      }
+      if (!bucket) ::_exit(kTimeout);
+      if (wait_ready) bucket->wait_ready();
+      auto from = clock == Clock::FromVisible  ? bucket->published_ns()
+                  : clock == Clock::FromVersion ? bucket->view().version()
+                                                : bucket->publish_start_ns();
+      if (i >= warmup) latencies.push_back(static_cast<double>(monotonic_ns() - from) / 1000);
+    }
+    return latencies;
+  };
+  return forked(count, consume, drive);
 }
 
 // Median time of `bytes` of memcpy between two pre-faulted buffers.
@@ -226,9 +246,62 @@ Row in_place_handoff(std::string name, std::uint64_t tensor_bytes, int repeats, 
           "commit() -> the consumer holds verified views; every entry was written into the slot before commit()"};
 }
 
+// The host's floor under a notification, with nothing of tensorbucket's in it: a word in shared
+// memory stored by this process -> a forked one that polls it sees it (Wait::Spin), or, asleep
+// on it in FUTEX_WAIT, runs again after FUTEX_WAKE (Wait::Next). The same gap before each
+// round as the figure it stands under. A VM's wake-up of an idle virtual CPU alone can cost
+// more than a target set on bare metal: this says so in the same run. Median microseconds;
+// 0 when it could not be measured.
+double bare_notification_us(Wait wait, std::chrono::microseconds gap, int repeats) {
+  struct Shared {
+    std::atomic<std::uint32_t> word{0};   // the round last announced
+    std::atomic<std::uint64_t> stamp{0};  // monotonic_ns() just before the store
+    std::atomic<std::uint32_t> seen{0};   // the round the consumer last took
+  };
+  static_assert(std::atomic<std::uint32_t>::is_always_lock_free && sizeof(std::atomic<std::uint32_t>) == 4);
+  void* memory = ::mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (memory == MAP_FAILED) return 0;
+  auto* shared = new (memory) Shared;
+  auto* word = reinterpret_cast<std::uint32_t*>(&shared->word);  // what the futex calls name
+  constexpr std::uint64_t kGiveUpNs = 10'000'000'000;
+  int count = repeats + 2;  // the first two not counted, as in measure()
+  auto consume = [&] {
+    std::vector<double> latencies;
+    for (std::uint32_t round = 0; round < static_cast<std::uint32_t>(count); ++round) {
+      auto give_up = monotonic_ns() + kGiveUpNs;
+      while (shared->word.load(std::memory_order_acquire) == round) {
+        if (monotonic_ns() > give_up) ::_exit(kTimeout);
+        if (wait == Wait::Next) {
+          timespec slice{1, 0};
+          ::syscall(SYS_futex, word, FUTEX_WAIT, round, &slice, nullptr, 0);
+        }
+      }
+      auto now = monotonic_ns();
+      if (round >= 2) latencies.push_back(static_cast<double>(now - shared->stamp.load()) / 1000);
+      shared->seen.store(round + 1, std::memory_order_release);
+    }
+    return latencies;
+  };
+  auto latency = forked(count, consume, [&](int i) {
+    auto round = static_cast<std::uint32_t>(i);
+    std::this_thread::sleep_for(gap);
+    shared->stamp.store(monotonic_ns());
+    shared->word.store(round + 1, std::memory_order_release);
+    if (wait == Wait::Next) ::syscall(SYS_futex, word, FUTEX_WAKE, 1, nullptr, nullptr, 0);
+    auto give_up = monotonic_ns() + kGiveUpNs;
+    while (shared->seen.load(std::memory_order_acquire) != round + 1) {
+      if (monotonic_ns() > give_up) return false;
+      std::this_thread::yield();
+    }
+    return true;
+  });
+  ::munmap(memory, sizeof(Shared));
+  return latency.ok ? latency.median_us : 0;
+}
+
 // Notification: an empty bucket -> received, with the consumer spinning or asleep. A spinning
 // consumer's clock starts when the bucket is made visible; an asleep one's at publish(), before
-// the producer wakes it, so that the wake-up is inside the figure.
+// the producer wakes it, so that the wake-up is inside the figure. Beside the host's floor.
 Row notification(std::string name, Wait wait, std::chrono::microseconds gap, int repeats, Target target) {
   BucketBuilder empty;
   auto channel = channel_name();
@@ -238,10 +311,16 @@ Row notification(std::string name, Wait wait, std::chrono::microseconds gap, int
     std::this_thread::sleep_for(gap);  // long enough for the consumer to be spinning / asleep
     return publisher.publish(empty, 10s) && publisher.drain(10s);
   });
-  return {std::move(name), latency, "", 0, std::move(target),
-          wait == Wait::Spin ? "an empty bucket made visible -> the consumer holds it; the consumer polls try_next()"
+  auto floor = bare_notification_us(wait, gap, repeats);
+  return {std::move(name), latency,
+          wait == Wait::Spin ? "a bare shared word polled" : "a bare futex wake",
+          floor, std::move(target),
+          wait == Wait::Spin ? "an empty bucket made visible -> the consumer holds it; the consumer polls try_next(); "
+                               "baseline: a word in shared memory stored -> a process polling it sees it"
                              : "publish() start of an empty bucket -> the consumer holds it; the consumer waits in "
-                               "next(), asleep for " + std::to_string(gap.count()) + " us before (its wake-up included)"};
+                               "next(), asleep for " + std::to_string(gap.count()) + " us before (its wake-up included); "
+                               "baseline: a word stored and FUTEX_WAKE -> a process asleep on it in FUTEX_WAIT runs "
+                               "again, the same gap before"};
 }
 
 // A device channel's handoff: publish start -> the consumer's bytes ready, for an empty bucket
