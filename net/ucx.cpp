@@ -1,6 +1,7 @@
 #include "ucx.hpp"
 
 #include <dlfcn.h>
+#include <link.h>
 #include <poll.h>
 
 #include <cstdio>
@@ -17,27 +18,60 @@ namespace tensorbucket::net::detail {
 
 using text::fail;
 
+namespace {
+
+constexpr const char* kUcp = "libucp.so.0";
+
+// A libucp already in the process (another library's: MPI, UCC, a preload) is the one to use:
+// a second copy loaded by path would share the first one's libucs, and crash at exit. Else the
+// one in the folder the build found it in, else wherever the dynamic loader finds one.
+// RTLD_LOCAL: UCX's symbols stay out of the process's global scope. Never closed: UCX cannot
+// be unloaded while its hooks are in place. Null, with why, when none loads.
+void* open_ucp(std::string& why) {
+  if (void* loaded = ::dlopen(kUcp, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD)) return loaded;
+  std::string_view folder = TENSORBUCKET_UCX_LIBDIR;
+  if (!folder.empty()) {
+    auto path = std::string(folder) + "/" + kUcp;
+    if (void* library = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL)) return library;
+    why = std::string(::dlerror()) + "; then ";
+  }
+  if (void* library = ::dlopen(kUcp, RTLD_NOW | RTLD_LOCAL)) return library;
+  why += ::dlerror();
+  return nullptr;
+}
+
+// The file `library` was loaded from.
+std::string file_of(void* library) {
+  link_map* map = nullptr;
+  if (::dlinfo(library, RTLD_DI_LINKMAP, &map) == 0 && map != nullptr && map->l_name != nullptr && *map->l_name) {
+    return map->l_name;
+  }
+  return kUcp;
+}
+
+}  // namespace
+
 const Ucx& ucx() {
   static const Ucx loaded = [] {
-    // From the folder the build found it in, else wherever the dynamic loader finds it.
-    // RTLD_LOCAL: UCX's symbols stay out of the process's global scope. Never closed: UCX
-    // cannot be unloaded while its hooks are in place.
-    std::string_view folder = TENSORBUCKET_UCX_LIBDIR;
-    std::string path = folder.empty() ? "libucp.so.0" : std::string(folder) + "/libucp.so.0";
-    void* library = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (library == nullptr) {
-      std::string why = ::dlerror();
-      path = "libucp.so.0";
-      library = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-      if (library == nullptr) {
-        fail(ErrorCode::NetworkError, "cannot load UCX, which the network side needs: ", why);
-      }
-    }
-    Ucx api{};
+    std::string why;
+    void* library = open_ucp(why);
+    if (library == nullptr) fail(ErrorCode::NetworkError, "cannot load UCX, which the network side needs: ", why);
+    auto path = file_of(library);
     auto find = [&](auto& function, const char* name) {
       function = reinterpret_cast<std::remove_reference_t<decltype(function)>>(::dlsym(library, name));
       if (function == nullptr) fail(ErrorCode::NetworkError, "the UCX loaded (", path, ") has no ", name);
     };
+    // UCX itself only warns when its API is older than the headers built against: a call into
+    // it could then take structures of another layout.
+    decltype(&ucp_get_version) get_version = nullptr;
+    find(get_version, "ucp_get_version");
+    unsigned major = 0, minor = 0, release = 0;
+    get_version(&major, &minor, &release);
+    if (major != UCP_API_MAJOR || minor < UCP_API_MINOR) {
+      fail(ErrorCode::NetworkError, "the UCX loaded (", path, ") is version ", major, ".", minor, ".", release,
+           "; this build needs ", UCP_API_MAJOR, ".", UCP_API_MINOR, " or a later ", UCP_API_MAJOR, ".x");
+    }
+    Ucx api{};
     find(api.status_string, "ucs_status_string");
     find(api.config_read, "ucp_config_read");
     find(api.config_modify, "ucp_config_modify");

@@ -46,8 +46,9 @@ struct Ucx {
   decltype(&ucp_request_cancel) request_cancel;
   decltype(&ucp_request_free) request_free;
 };
-// Loads UCX (libucp.so.0, where the build found it) on the first call; NetworkError when it
-// cannot. Made by the first Worker: what takes a worker, request or endpoint finds it loaded.
+// Loads UCX (libucp.so.0: one already in the process, else where the build found it) on the
+// first call; NetworkError when it cannot, or when its version is older than the headers'.
+// Made by the first Worker: what takes a worker, request or endpoint finds it loaded.
 const Ucx& ucx();
 
 // NetworkError naming the UCX call and its status.

@@ -7,6 +7,7 @@ Needs the Python module built with UCX (PYTHONPATH, as the `net` suite sets it) 
 build of tbucket (TBUCKET)."""
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -199,31 +200,82 @@ def test_a_python_relay_republishes_a_python_server_byte_for_byte(tmp_path):
         tensorbucket.Relay("127.0.0.1:1", up, token, timeout=-1)
 
 
+def serve_once(channel, token, preload=None):
+    """A fresh Python process that publishes on `channel`, then serves it for a moment: what it
+    printed (the UCX files in its memory before and once serving, one JSON line), its stdout and
+    stderr, and its exit status. `preload`: a library the dynamic loader loads first."""
+    script = f"""
+import json, tensorbucket, torch
+def ucx_files():
+    with open("/proc/self/maps") as maps:
+        return sorted({{line.split()[-1] for line in maps if "/libuc" in line}})
+with tensorbucket.Publisher({channel!r}, min_consumers=0) as publisher:
+    publisher.publish({{"w": torch.ones(4)}}, version=1)
+    before = ucx_files()
+    try:
+        with tensorbucket.Server({channel!r}, "127.0.0.1:0", {str(token)!r}, timeout=10):
+            print(json.dumps([before, ucx_files()]))
+    except tensorbucket.NetworkError as e:
+        print(json.dumps([before, str(e)]))
+"""
+    env = dict(os.environ)
+    if preload is not None:  # after a sanitizer's runtime, which must come first
+        env["LD_PRELOAD"] = " ".join(filter(None, [env.get("LD_PRELOAD"), str(preload)]))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    return run
+
+
 def test_ucx_is_loaded_only_once_the_network_is_used(tmp_path):
     """UCX patches the process's memory functions as it loads, 0.2-0.4 s on UCX 1.22
     (net/ucx.hpp): the module and tbucket load it when a server or a relay first needs it,
-    and a process that only publishes and subscribes never does."""
-    token = make_token(tmp_path / "token")
-    script = f"""
-import tensorbucket, torch
-def loaded():
-    with open("/proc/self/maps") as maps:
-        return "libucp" in maps.read()
-channel = "pyucx{os.getpid()}"
-with tensorbucket.Publisher(channel, min_consumers=0) as publisher:
-    publisher.publish({{"w": torch.ones(4)}}, version=1)
-    before = loaded()
-    with tensorbucket.Server(channel, "127.0.0.1:0", {str(token)!r}, timeout=10):
-        print(before, loaded())
-"""
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    and a process that only publishes never does."""
+    run = serve_once(f"pyucx{os.getpid()}", make_token(tmp_path / "token"))
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == ["False", "True"]
+    before, serving = json.loads(run.stdout)
+    assert before == []
+    assert any(path.endswith("/libucp.so.0") for path in serving), serving
+    assert any("/libucs" in path for path in serving), serving
     # The dynamic loader names every library it loads (LD_DEBUG=files): tbucket's own, not UCX.
     shown = subprocess.run([TBUCKET, "--help"], env={**os.environ, "LD_DEBUG": "files"}, capture_output=True,
                            text=True, timeout=60)
     assert shown.returncode == 0 and "libtensorbucket" in shown.stderr
     assert "libucp" not in shown.stderr and "libucs" not in shown.stderr
+
+
+def test_a_ucx_already_in_the_process_is_the_one_used(tmp_path):
+    """Another library's UCX (MPI's, a preload) is used as it is. Before, a second libucp loaded
+    from the build's folder shared the first one's libucs, and the process crashed at exit."""
+    token = make_token(tmp_path / "token")
+    first = serve_once(f"pyucxa{os.getpid()}", token)
+    assert first.returncode == 0, first.stderr
+    ucp = next(Path(path) for path in json.loads(first.stdout)[1] if path.endswith("/libucp.so.0"))
+    copy = tmp_path / "other-ucx"
+    copy.mkdir()
+    for library in ucp.parent.glob("libuc*.so*"):
+        (copy / library.name).write_bytes(library.read_bytes())
+    run = serve_once(f"pyucxb{os.getpid()}", token, preload=copy / "libucp.so.0")
+    assert run.returncode == 0, run.stderr
+    before, serving = json.loads(run.stdout)
+    ucp_files = [path for path in serving if "/libucp" in path]
+    assert ucp_files == [str(copy / "libucp.so.0")], serving
+
+
+def test_an_older_ucx_in_the_process_is_refused_by_name(tmp_path):
+    """UCX itself only warns when its API is older than the headers the module was built
+    against; the network side refuses it, naming the file and both versions."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build an old libucp stand-in")
+    source = tmp_path / "old_ucp.c"
+    source.write_text("void ucp_get_version(unsigned *major, unsigned *minor, unsigned *release)\n"
+                      "{ *major = 1; *minor = 9; *release = 0; }\n")
+    old = tmp_path / "libucp.so.0"
+    subprocess.run([compiler, "-shared", "-fPIC", "-Wl,-soname,libucp.so.0", "-o", str(old), str(source)],
+                   check=True, timeout=60)
+    run = serve_once(f"pyucxo{os.getpid()}", make_token(tmp_path / "token"), preload=old)
+    assert run.returncode == 0, run.stderr
+    before, error = json.loads(run.stdout)
+    assert f"the UCX loaded ({old}) is version 1.9.0; this build needs 1." in error, error
 
 
 def test_server_errors_name_what_is_wrong(tmp_path):

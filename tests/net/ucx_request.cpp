@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
   params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   params.err_handler.cb = [](void*, ucp_ep_h, ucs_status_t) {};  // the server closing it is expected
   ucp_ep_h ep = nullptr;
-  if (auto status = ucp_ep_create(worker.get(), &params, &ep); status != UCS_OK) fail_ucx("ucp_ep_create", status);
+  if (auto status = ucx().ep_create(worker.get(), &params, &ep); status != UCS_OK) fail_ucx("ucp_ep_create", status);
   while (Clock::now() < until) {
     worker.progress();
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
   ucp_request_param_t close{};
   close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   close.flags = UCP_EP_CLOSE_FLAG_FORCE;
-  auto closing = ucp_ep_close_nbx(ep, &close);
-  if (UCS_PTR_IS_PTR(closing)) ucp_request_free(closing);
+  auto closing = ucx().ep_close_nbx(ep, &close);
+  if (UCS_PTR_IS_PTR(closing)) ucx().request_free(closing);
   return 0;
 }
