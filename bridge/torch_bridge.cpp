@@ -448,22 +448,45 @@ bool fits(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation 
 
 bool StagedTensors::add(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation where) {
   const void* bytes = where.on_host() && entry.byte_length != 0 ? plain_host_bytes(tensor, entry) : nullptr;
+  const at::Tensor* source = &tensor;
+  std::optional<at::Tensor> made;
   if (bytes == nullptr) {
     if (!fits(tensor, entry, where)) return false;
     if (entry.byte_length != 0) bytes = plain_bytes(tensor) ? storage_bytes(tensor) : nullptr;
+    if (bytes == nullptr && entry.byte_length != 0 && tensor.unsafeGetTensorImpl()->is_python_dispatch()) {
+      // Its copy_ is Python code, which may throw or call back into the publisher: run now,
+      // before a slot is reserved, rather than into the slot.
+      at::NoGradGuard no_grad;
+      made = at::empty(entry.shape, at::TensorOptions().dtype(tensor.scalar_type()).device(device_of(where)));
+      made->copy_(tensor.detach());
+      source = &*made;
+      bytes = made->data_ptr();
+    }
   }
   // Nothing staged when an allocation throws: the vectors stay one entry each.
   auto index = bytes_.size();
   auto held = holds_.size();
+  auto fixed = fixed_.size();
   try {
     bytes_.push_back(bytes);
     lengths_.push_back(entry.byte_length);
-    if (bytes != nullptr) {
-      if (hold_ == Hold::Storages) holds_.push_back(tensor.unsafeGetTensorImpl()->unsafe_storage());
-    } else if (entry.byte_length != 0) {  // an empty tensor copies nothing
+    if (made) {
+      made_.push_back(std::move(*made));
+    } else if (bytes != nullptr && hold_ == Hold::Storages) {
+      const auto& storage = source->unsafeGetTensorImpl()->unsafe_storage();
+      holds_.push_back(storage);
+      if (storage.resizable()) {
+        fixed_.push_back(storage);
+        storage.unsafeGetStorageImpl()->set_resizable(false);
+      }
+    } else if (bytes == nullptr && entry.byte_length != 0) {  // an empty tensor copies nothing
       by_value_.emplace_back(index, tensor);
     }
   } catch (...) {
+    if (fixed_.size() > fixed) {
+      fixed_.back().unsafeGetStorageImpl()->set_resizable(true);
+      fixed_.resize(fixed);
+    }
     bytes_.resize(index);
     lengths_.resize(index);
     holds_.resize(held);
@@ -497,9 +520,12 @@ bool write_tensor(Reservation& reservation, std::size_t index, const at::Tensor&
 }
 
 void StagedTensors::clear() noexcept {
+  for (const auto& storage : fixed_) storage.unsafeGetStorageImpl()->set_resizable(true);
+  fixed_.clear();
   bytes_.clear();
   lengths_.clear();
   holds_.clear();
+  made_.clear();
   by_value_.clear();
 }
 

@@ -77,8 +77,10 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout,
 // than by a copy of the tensor: under torch 2.x a tensor's count going 1 -> 2 -> 1 moves its
 // Python object's count through the interpreter, both ways, which was a quarter of a Python
 // publish of 1000 small tensors. A held storage outlives its tensor (swapped out or dropped by
-// another thread), but not a resize of itself: resize_() of a storage being published (FSDP's
-// resize_(0)) frees the bytes under the copy, as it would under any reader.
+// another thread), and is not resizable until clear(): resize_() of it meanwhile (FSDP's
+// resize_(0) from another thread) fails there, instead of freeing the bytes under the copy.
+// A tensor whose operations run Python code (a __torch_dispatch__ subclass) is copied out as
+// it is staged, so that nothing after the slot's reservation can run user code or throw.
 class StagedTensors {
  public:
   // Whether add() holds each tensor's storage. Nothing, for a caller that keeps its lock
@@ -86,6 +88,9 @@ class StagedTensors {
   // at once): nothing can drop or rebind its tensors meanwhile, and the counts stay put.
   enum class Hold { Storages, Nothing };
   explicit StagedTensors(Hold hold = Hold::Storages) noexcept : hold_(hold) {}
+  StagedTensors(const StagedTensors&) = delete;
+  StagedTensors& operator=(const StagedTensors&) = delete;
+  ~StagedTensors() { clear(); }
 
   // Checks `tensor` as the next entry of a layout (`entry`, of a channel at `where`) and holds
   // it: false, staging nothing, when it no longer fits (see fits()).
@@ -102,6 +107,8 @@ class StagedTensors {
   std::vector<const void*> bytes_;     // each tensor's row-major bytes; null: copied by value
   std::vector<std::uint64_t> lengths_;  // each entry's byte_length, checked against the layout
   std::vector<c10::Storage> holds_;    // what keeps those bytes alive
+  std::vector<c10::Storage> fixed_;    // those of holds_ made unresizable here, until clear()
+  std::vector<at::Tensor> made_;       // copies of tensors that run Python code, always held
   std::vector<std::pair<std::size_t, at::Tensor>> by_value_;  // the others, copy_'d by position
 };
 // Publishes `staged`, staged against `layout`'s entries in order, as the call above does:

@@ -169,11 +169,16 @@ class PyPublisher {
     auto where = publisher_.location();
     std::size_t i = 0;
     bool fits = true;
-    for_each_item(tensors, [&](py::handle key, py::handle value) {
-      fits = fits && i < entries.size() && names(key, kept_->keys[i], entries[i].name) && is_tensor(value) &&
-             staged.add(THPVariable_Unpack(value.ptr()), entries[i], where);
-      ++i;
-    });
+    try {
+      for_each_item(tensors, [&](py::handle key, py::handle value) {
+        fits = fits && i < entries.size() && names(key, kept_->keys[i], entries[i].name) && is_tensor(value) &&
+               staged.add(THPVariable_Unpack(value.ptr()), entries[i], where);
+        ++i;
+      });
+    } catch (...) {
+      staged.clear();  // holds nothing past the call
+      throw;
+    }
     return fits && i == entries.size();
   }
 
@@ -195,6 +200,10 @@ class PyPublisher {
       if (*written) published_ = publisher_.published();
       return *written;
     }
+    // Staged by their bytes alone, held by nothing but the caller's container: only one whose
+    // walk runs no Python code. Another mapping's items() may make each tensor as it goes (a
+    // lazy state dict) and drop it before the copy.
+    if (!is_plain_container(tensors)) return false;
     struct Unstage {
       torch_bridge::StagedTensors& staged;
       ~Unstage() { staged.clear(); }
@@ -217,8 +226,7 @@ class PyPublisher {
   // may in the staged path. True when published; false, nothing published, when a tensor no
   // longer fits; none when no such slot is free at once or `tensors` is of another type.
   std::optional<bool> write_in_one_pass(const py::handle& tensors) {
-    auto* all = tensors.ptr();
-    if (!PyDict_Check(all) && !PyList_Check(all) && !PyTuple_Check(all)) return std::nullopt;
+    if (!is_plain_container(tensors)) return std::nullopt;
     auto reservation = publisher_.reserve(kept_->builder, Deadline::after(Clock::duration::zero()), nullptr,
                                           Publisher::Claim::SparingNewest);
     if (!reservation) return std::nullopt;

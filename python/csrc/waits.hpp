@@ -187,6 +187,7 @@ struct Turns {
   std::mutex mutex;
   std::condition_variable given_back;
   bool taken = false;  // guarded by mutex
+  std::thread::id holder;  // the thread that took it; guarded by mutex
   std::uint64_t forks = forks_seen;  // when the handle was made
   // Set by close() before it takes its turn: a call waiting in another thread sees it (PyWait)
   // and ends, where close() would otherwise wait behind it (for ever with None).
@@ -205,6 +206,7 @@ class Turn {
     {
       std::lock_guard lock(turns_->mutex);
       turns_->taken = false;
+      turns_->holder = {};
     }
     turns_->given_back.notify_one();
   }
@@ -213,10 +215,24 @@ class Turn {
   Turns* turns_ = nullptr;
 };
 
+// InvalidArgument when this thread holds the turn already: a call made from inside another on
+// the same handle (Python code that a tensor's copy_ or a __del__ runs mid-publish) would wait
+// for itself, for ever without a timeout.
+inline void refuse_reentry(Turns& turns) {
+  if (turns.forks != forks_seen) return;
+  std::lock_guard lock(turns.mutex);
+  if (turns.taken && turns.holder == std::this_thread::get_id()) {
+    text::fail(ErrorCode::InvalidArgument,
+               "called from inside another call on the same handle, in the same thread (Python code that a "
+               "tensor or a __del__ ran while that call was under way); nothing was done");
+  }
+}
+
 // The turn, waited for within `wait`; none, with nothing done, when its deadline passed first.
-// Taken at once when free, without giving up the GIL.
+// Taken at once when free, without giving up the GIL. See refuse_reentry().
 inline std::optional<Turn> take_turn(Turns& turns, PyWait& wait) {
   if (turns.forks != forks_seen) return Turn();  // in a forked child: see Turns
+  refuse_reentry(turns);
   auto take = [&](const Deadline& deadline) {
     for (;;) {
       {
@@ -227,6 +243,7 @@ inline std::optional<Turn> take_turn(Turns& turns, PyWait& wait) {
         }
         if (!turns.taken) {
           turns.taken = true;
+          turns.holder = std::this_thread::get_id();
           return true;
         }
       }
@@ -245,6 +262,7 @@ inline Turn take_turn(Turns& turns) {
 
 // close()'s turn: announced first (see Turns::closing), then taken.
 inline Turn take_last_turn(Turns& turns) {
+  refuse_reentry(turns);
   turns.closing = true;
   return take_turn(turns);
 }

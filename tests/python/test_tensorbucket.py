@@ -997,6 +997,151 @@ def test_a_tensor_whose_storage_was_freed_is_refused_by_name(channel):
                 tensorbucket.load_into(weights, {"bias": torch.zeros(4), "weight": torch.zeros(1 << 18)})
 
 
+def test_a_storage_being_published_cannot_be_resized_under_the_copy(channel):
+    """A publish waiting for a slot holds its tensors' storages, and copies from them once one
+    is free, without the GIL. Another thread's untyped_storage().resize_(0) (FSDP's) freed the
+    bytes under it: the process crashed, or a reallocation sent freed memory. Now that resize
+    fails in its own thread, the publish sends the bytes it was given, and the storage is
+    resizable again afterwards."""
+    weight = torch.arange(1 << 24, dtype=torch.float32)  # 64 MiB: staged, copied without the GIL
+    with tensorbucket.Publisher(channel, slots=1) as publisher:
+        with tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+            publisher.publish({"w": weight}, version=0)
+            held = subscriber.next(timeout=5)
+            resized = []
+
+            def free_then_release():
+                time.sleep(0.3)  # the publish below is waiting by then
+                try:
+                    weight.untyped_storage().resize_(0)
+                    resized.append("resized")
+                except RuntimeError as e:
+                    resized.append(str(e))
+                held.release()
+
+            freeing = threading.Thread(target=free_then_release)
+            freeing.start()
+            publisher.publish({"w": weight}, version=1, timeout=10)
+            freeing.join()
+            assert len(resized) == 1 and "not resizable" in resized[0], resized
+            with subscriber.next(timeout=5) as bucket:
+                assert bucket.version == 1 and torch.equal(bucket["w"], torch.arange(1 << 24, dtype=torch.float32))
+    weight.untyped_storage().resize_(0)  # the publish is over: resizable as before
+    assert weight.untyped_storage().nbytes() == 0
+
+
+def test_a_mapping_that_makes_its_tensors_as_it_goes_sends_their_bytes(channel):
+    """A Mapping whose __getitem__ converts as it is read (a float32 view of float64 master
+    weights) makes each tensor in its items() and drops it once walked. A small publish staged
+    their bytes without holding them, and consumers got freed memory as a whole bucket."""
+    class AsFloat(collections.abc.Mapping):
+        def __init__(self, source):
+            self.source = source
+
+        def __getitem__(self, name):
+            return self.source[name].float()
+
+        def __iter__(self):
+            return iter(self.source)
+
+        def __len__(self):
+            return len(self.source)
+
+    master = {name: torch.zeros(1 << 16, dtype=torch.float64) for name in "abcd"}  # 1 MiB as float32
+    with tensorbucket.Publisher(channel, slots=2) as publisher:
+        with tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+            for version in range(4):
+                for i, tensor in enumerate(master.values()):
+                    tensor.fill_(10 * version + i + 1)
+                publisher.publish(AsFloat(master), version=version)
+                with subscriber.next(timeout=5) as bucket:
+                    for i, name in enumerate("abcd"):
+                        assert torch.equal(bucket[name], torch.full((1 << 16,), 10.0 * version + i + 1)), (version, name)
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["new layout", "kept layout"])
+def test_an_object_that_only_claims_to_be_a_tensor_is_refused_by_name(channel, kept):
+    """isinstance() asks an object's __class__: a mock with spec=torch.Tensor passes it, and read
+    as a tensor it crashed the process."""
+    from unittest import mock
+
+    with tensorbucket.Publisher(channel, min_consumers=0) as publisher:
+        if kept:
+            publisher.publish({"w": torch.ones(3)}, version=0)
+        impostor = mock.Mock(spec=torch.Tensor)
+        assert isinstance(impostor, torch.Tensor)
+        with pytest.raises(tensorbucket.InvalidArgument, match="entry 'w' is of type Mock, not torch.Tensor"):
+            publisher.publish({"w": impostor}, version=1)
+        assert publisher.published == (1 if kept else 0)
+
+
+class _CopyRaises(torch.Tensor):
+    """A __torch_dispatch__ wrapper whose copy_ fails: its bytes can only come through Python."""
+
+    @staticmethod
+    def __new__(cls, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return args[0]
+        raise RuntimeError(f"cannot {func}")
+
+
+@pytest.mark.parametrize("numel", [16, 1 << 21], ids=["small", "8 MiB"])
+def test_a_tensor_whose_copy_raises_costs_no_bucket_the_channel_holds(channel, numel):
+    """With one slot, the copy of a wrapper subclass ran into the reserved slot: when it raised,
+    the slot that held the newest update was left empty, and a consumer that came later got
+    nothing. Its copy now runs before the slot is reserved."""
+    with tensorbucket.Publisher(channel, slots=1, min_consumers=0) as publisher:
+        for version in range(3):
+            publisher.publish({"a": torch.full((numel,), float(version)), "b": torch.ones(numel)}, version=version)
+        with pytest.raises(RuntimeError, match="cannot aten.copy_"):
+            publisher.publish({"a": torch.full((numel,), 9.0), "b": _CopyRaises((numel,))}, version=9)
+        assert publisher.published == 3
+        with tensorbucket.Subscriber(channel, timeout=5) as late:
+            with late.next(timeout=5) as bucket:
+                assert bucket.version == 2 and torch.equal(bucket["a"], torch.full((numel,), 2.0))
+
+
+@pytest.mark.parametrize("inner", ["publish", "close"])
+def test_a_call_made_from_inside_a_publish_on_the_same_handle_is_refused(channel, inner):
+    """Python code that a tensor's copy_ runs mid-publish (or a __del__) calling the same
+    publisher waited for its own turn: close() and publish(timeout=None) for ever."""
+    publisher = tensorbucket.Publisher(channel, min_consumers=0)
+    seen = []
+
+    class CallsBack(torch.Tensor):
+        @staticmethod
+        def __new__(cls, shape):
+            return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.detach.default:
+                return args[0]
+            if func is torch.ops.aten.copy_.default:
+                try:
+                    if inner == "publish":
+                        publisher.publish({"x": torch.ones(3)}, version=77, timeout=None)
+                    else:
+                        publisher.close()
+                except tensorbucket.InvalidArgument as e:
+                    seen.append(str(e))
+                return args[0].fill_(7.0)
+            raise RuntimeError(func)
+
+    try:
+        publisher.publish({"w": CallsBack((3,))}, version=1, timeout=None)
+        assert len(seen) == 1 and "called from inside another call on the same handle" in seen[0], seen
+        assert publisher.published == 1
+        publisher.publish({"w": torch.ones(3)}, version=2)  # still open, and usable
+        assert publisher.published == 2
+    finally:
+        publisher.close()
+
+
 @pytest.mark.parametrize("refuses_strides", [False, True], ids=["wrapper", "wrapper without strides"])
 def test_a_wrapper_subclass_is_sent_by_value_or_refused_with_its_own_error(channel, refuses_strides):
     """A __torch_dispatch__ wrapper holds no bytes of its own (its storage has none, whatever
