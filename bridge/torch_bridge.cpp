@@ -448,7 +448,6 @@ bool fits(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation 
 
 bool StagedTensors::add(const at::Tensor& tensor, const ManifestEntry& entry, PayloadLocation where) {
   const void* bytes = where.on_host() && entry.byte_length != 0 ? plain_host_bytes(tensor, entry) : nullptr;
-  const at::Tensor* source = &tensor;
   std::optional<at::Tensor> made;
   if (bytes == nullptr) {
     if (!fits(tensor, entry, where)) return false;
@@ -459,7 +458,6 @@ bool StagedTensors::add(const at::Tensor& tensor, const ManifestEntry& entry, Pa
       at::NoGradGuard no_grad;
       made = at::empty(entry.shape, at::TensorOptions().dtype(tensor.scalar_type()).device(device_of(where)));
       made->copy_(tensor.detach());
-      source = &*made;
       bytes = made->data_ptr();
     }
   }
@@ -473,7 +471,7 @@ bool StagedTensors::add(const at::Tensor& tensor, const ManifestEntry& entry, Pa
     if (made) {
       made_.push_back(std::move(*made));
     } else if (bytes != nullptr && hold_ == Hold::Storages) {
-      const auto& storage = source->unsafeGetTensorImpl()->unsafe_storage();
+      const auto& storage = tensor.unsafeGetTensorImpl()->unsafe_storage();
       holds_.push_back(storage);
       if (storage.resizable()) {
         fixed_.push_back(storage);
