@@ -1,6 +1,7 @@
 #include "tensorbucket/torch.hpp"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <algorithm>
 #include <array>
@@ -244,12 +245,31 @@ bool lined_up(const NamedTensors& targets, const Manifest& manifest) {
   return true;
 }
 
+void let_go(void* hold);
+
+// Whether a tensor is a view of a received bucket (view_of() with a hold): read-only shared
+// memory, where a write kills the process.
+bool is_received_view(const at::Tensor& tensor) {
+  const auto& storage = tensor.unsafeGetTensorImpl()->unsafe_storage();
+  return storage && storage.data_ptr().get_deleter() == &let_go;
+}
+
+// Whether some elements of a tensor share memory (an expand(), a stride of 0): copy_ into one
+// throws, after the targets before it were loaded.
+bool overlaps_itself(const at::Tensor& tensor) {
+  try {
+    return at::has_internal_overlap(tensor) == at::MemOverlap::Yes;
+  } catch (...) {
+    return false;  // a subclass's strides may come from Python: copy_ then judges
+  }
+}
+
 // Refuses, naming them all, targets that cannot be loaded: copy_ into a meta tensor does
-// nothing (a module built on the meta device would seem loaded and still hold nothing), and
-// into an inference tensor outside InferenceMode it throws, which would leave the module half
-// loaded.
+// nothing (a module built on the meta device would seem loaded and still hold nothing); into
+// an inference tensor outside InferenceMode, or one whose elements overlap, it throws, which
+// would leave the module half loaded; into a received bucket's view it kills the process.
 void check_targets(const NamedTensors& targets) {
-  text::Listing empty, inference, short_storage;
+  text::Listing empty, inference, short_storage, overlapping, received;
   for (const auto& [name, target] : targets) {
     if (!target.defined() || target.is_meta()) {
       empty.add(Quoted{name});
@@ -257,6 +277,10 @@ void check_targets(const NamedTensors& targets) {
       inference.add(Quoted{name});
     } else if (storage_short(target)) {
       short_storage.add(Quoted{name});
+    } else if (is_received_view(target)) {
+      received.add(Quoted{name});
+    } else if (overlaps_itself(target)) {
+      overlapping.add(Quoted{name});
     }
   }
   text::fail_if_listed(ErrorCode::Unmaterialized, "cannot load into meta or undefined tensors",
@@ -265,6 +289,10 @@ void check_targets(const NamedTensors& targets) {
                        {{"tensors", &inference}}, "; load under torch.inference_mode(), or build the module outside it");
   text::fail_if_listed(ErrorCode::InvalidArgument, "cannot load into tensors that reach past the end of their storage",
                        {{"tensors", &short_storage}}, "; was their storage resized under them (freed)?");
+  text::fail_if_listed(ErrorCode::InvalidArgument, "cannot load into views of a received bucket",
+                       {{"tensors", &received}}, "; they are read-only shared memory: load into tensors of your own");
+  text::fail_if_listed(ErrorCode::InvalidArgument, "cannot load into tensors whose elements share memory",
+                       {{"tensors", &overlapping}}, " (an expand(), a stride of 0): each would take several values");
 }
 
 // The check pass chases pointers through each tensor's TensorImpl and StorageImpl, and 1000

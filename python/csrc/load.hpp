@@ -25,9 +25,10 @@ inline void load_into(const py::object& module, const py::handle& tensors) {
   }
   auto targets = to_named(is_module ? module.attr("state_dict")(py::arg("keep_vars") = true) : module);
   if (py::isinstance<PyUpdate>(tensors)) {  // each bucket straight from its bytes
-    const auto& update = tensors.cast<const PyUpdate&>().received();
-    auto stream = current_stream(update.buckets().front().view().location());
-    OutsideGil::run([&] { torch_bridge::load_into(targets, update, stream); });
+    // Held: another thread may release() the handle while this copies without the GIL.
+    auto update = tensors.cast<const PyUpdate&>().held();
+    auto stream = current_stream(update->buckets().front().view().location());
+    OutsideGil::run([&] { torch_bridge::load_into(targets, *update, stream); });
     return;
   }
   if (py::isinstance<PyBucket>(tensors)) {  // straight from its bytes: no view of each entry

@@ -73,6 +73,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("publish_start_ns", &PyBucket::publish_start_ns)
       .def_property_readonly("published_ns", &PyBucket::published_ns)
       .def_property_readonly("received_ns", &PyBucket::received_ns)
+      .def_property_readonly("released", &PyBucket::released)
       .def("release", &PyBucket::release);
 
   py::class_<PyUpdate>(m, "Update")
@@ -88,6 +89,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("publish_start_ns", &PyUpdate::publish_start_ns)
       .def_property_readonly("published_ns", &PyUpdate::published_ns)
       .def_property_readonly("received_ns", &PyUpdate::received_ns)
+      .def_property_readonly("released", &PyUpdate::released)
       .def("release", &PyUpdate::release);
 
   py::class_<PySubscriber>(m, "Subscriber")

@@ -79,7 +79,11 @@ class PyBucket {
 
  public:
 
-  std::size_t size() const { return size_; }
+  std::size_t size() const {
+    live();
+    return size_;
+  }
+  bool released() const { return !bucket_; }
   bool contains(const py::handle& name) const {
     return PyUnicode_Check(name.ptr()) && live()->view().position(name.cast<std::string_view>());
   }
@@ -95,13 +99,16 @@ class PyBucket {
   }
   // Every view at once, as a dict.
   py::dict tensors() {
-    // The views first: making one may run the garbage collector, and with it Python code that
-    // could reach this subscriber's names. Nothing below does.
-    for (std::size_t i = 0; i < size_; ++i) view(i);
+    // Making a view or the dict may run the garbage collector, and with it Python code that
+    // releases this bucket or reaches this subscriber's names: the views are held here, and
+    // the names taken last. Nothing after that allocates a tracked object.
+    std::vector<py::object> views;
+    views.reserve(size_);
+    for (std::size_t i = 0; i < size_; ++i) views.push_back(view(i));
     py::dict out;
     const auto& names = this->names();
     for (std::size_t i = 0; i < size_; ++i) {
-      if (PyDict_SetItem(out.ptr(), names[i].ptr(), views_[i].ptr()) != 0) throw py::error_already_set();
+      if (PyDict_SetItem(out.ptr(), names[i].ptr(), views[i].ptr()) != 0) throw py::error_already_set();
     }
     return out;
   }
@@ -127,6 +134,7 @@ class PyBucket {
   // current stream; one whose views live on is released, when the last dies, after the work
   // queued on the stream it was received on.
   void release() {
+    live();  // a second release() is an error, as for an Update
     views_.clear();
     made_.reset();  // the views' hold: with none alive, this handle's is the bucket's last
     if (bucket_ && bucket_.use_count() == 1 && !bucket_->view().location().on_host()) {
@@ -146,14 +154,17 @@ class PyBucket {
   }
   py::object view(std::size_t i) {
     live();
-    if (!views_[i]) {
-      if (!made_) made_ = std::make_unique<torch_bridge::BucketViews>(bucket_);
-      // The rvalue overload: the new PyObject takes the tensor's only reference, so none is
-      // dropped through the interpreter on the way out (~0.2 of a bucket's tensors()).
-      PyObject* made = THPVariable_Wrap((*made_)[i]);
-      if (made == nullptr) throw py::error_already_set();
-      views_[i] = py::reinterpret_steal<py::object>(made);
-    }
+    if (views_[i]) return views_[i];
+    if (!made_) made_ = std::make_unique<torch_bridge::BucketViews>(bucket_);
+    // The rvalue overload: the new PyObject takes the tensor's only reference, so none is
+    // dropped through the interpreter on the way out (~0.2 of a bucket's tensors()).
+    PyObject* made = THPVariable_Wrap((*made_)[i]);
+    if (made == nullptr) throw py::error_already_set();
+    auto object = py::reinterpret_steal<py::object>(made);
+    // Making it may have run the garbage collector, and a finalizer this bucket's release()
+    // (views_ emptied) or view(i) itself: the view holds its own lease either way.
+    if (i >= views_.size()) return object;
+    if (!views_[i]) views_[i] = std::move(object);
     return views_[i];
   }
 
@@ -207,7 +218,9 @@ class PyUpdate {
     return update_;
   }
 
+  bool released() const { return !update_; }
   std::size_t size() const {
+    received();
     std::size_t total = 0;
     for (const auto& bucket : buckets_) total += bucket.cast<const PyBucket&>().size();
     return total;
@@ -247,11 +260,18 @@ class PyUpdate {
   }
 
  private:
+  // The bucket that holds `name`; none when no bucket does. InvalidArgument when the update
+  // was released, or the bucket that holds it (one of buckets(), released on its own).
   PyBucket* bucket_with(const py::handle& name) const {
-    received();  // once released, it says so (not its first bucket)
-    for (const auto& bucket : buckets_) {
-      auto& held = bucket.cast<PyBucket&>();
-      if (held.contains(name)) return &held;
+    const auto& update = received();
+    for (std::size_t k = 0; k < buckets_.size(); ++k) {
+      auto& bucket = buckets_[k].cast<PyBucket&>();
+      if (!bucket.released()) {
+        if (bucket.contains(name)) return &bucket;
+      } else if (PyUnicode_Check(name.ptr()) && update.buckets()[k].view().position(name.cast<std::string_view>())) {
+        throw Error(ErrorCode::InvalidArgument, text::message("bucket ", k, " of this update, which holds ",
+                                                              text::Quoted{name.cast<std::string>()}, ", was released"));
+      }
     }
     return nullptr;
   }

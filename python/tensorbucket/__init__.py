@@ -367,6 +367,11 @@ class _Received(Mapping[str, torch.Tensor]):
         stream."""
         self._impl.release()
 
+    @property
+    def released(self) -> bool:
+        """Whether release() was called (for a bucket of an update, also the update's)."""
+        return self._impl.released
+
     def __enter__(self: _Held) -> _Held:
         return self
 
@@ -376,7 +381,8 @@ class _Received(Mapping[str, torch.Tensor]):
         error: Optional[BaseException],
         traceback: Optional[TracebackType],
     ) -> None:
-        self.release()
+        if not self._impl.released:  # the block may have released it already
+            self.release()
 
 
 class Bucket(_Received):
@@ -500,10 +506,8 @@ class Subscriber:
         previous: Optional[Update] = None
         while True:
             if previous is not None:
-                try:
+                if not previous.released:  # the loop's body may have
                     previous.release()
-                except InvalidArgument:
-                    pass  # the loop's body released it already
                 previous = None
             try:
                 update = self.next_update(timeout, expected)
