@@ -1177,8 +1177,9 @@ def test_an_object_that_only_claims_to_be_a_tensor_is_refused_by_name(channel, k
         assert publisher.published == (1 if kept else 0)
 
 
-class _CopyRaises(torch.Tensor):
-    """A __torch_dispatch__ wrapper whose copy_ fails: its bytes can only come through Python."""
+class _CopiedByPython(torch.Tensor):
+    """A __torch_dispatch__ wrapper that holds no bytes: its copy_ into `target` is copy(),
+    Python code, which fails here."""
 
     @staticmethod
     def __new__(cls, shape):
@@ -1188,7 +1189,13 @@ class _CopyRaises(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.detach.default:
             return args[0]
+        if func is torch.ops.aten.copy_.default:
+            return cls.copy(args[0])
         raise RuntimeError(f"cannot {func}")
+
+    @classmethod
+    def copy(cls, target):
+        raise RuntimeError("cannot aten.copy_.default")
 
 
 @pytest.mark.parametrize("numel", [16, 1 << 21], ids=["small", "8 MiB"])
@@ -1200,7 +1207,7 @@ def test_a_tensor_whose_copy_raises_costs_no_bucket_the_channel_holds(channel, n
         for version in range(3):
             publisher.publish({"a": torch.full((numel,), float(version)), "b": torch.ones(numel)}, version=version)
         with pytest.raises(RuntimeError, match="cannot aten.copy_"):
-            publisher.publish({"a": torch.full((numel,), 9.0), "b": _CopyRaises((numel,))}, version=9)
+            publisher.publish({"a": torch.full((numel,), 9.0), "b": _CopiedByPython((numel,))}, version=9)
         assert publisher.published == 3
         with tensorbucket.Subscriber(channel, timeout=5) as late:
             with late.next(timeout=5) as bucket:
@@ -1214,25 +1221,17 @@ def test_a_call_made_from_inside_a_publish_on_the_same_handle_is_refused(channel
     publisher = tensorbucket.Publisher(channel, min_consumers=0)
     seen = []
 
-    class CallsBack(torch.Tensor):
-        @staticmethod
-        def __new__(cls, shape):
-            return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
-
+    class CallsBack(_CopiedByPython):
         @classmethod
-        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.detach.default:
-                return args[0]
-            if func is torch.ops.aten.copy_.default:
-                try:
-                    if inner == "publish":
-                        publisher.publish({"x": torch.ones(3)}, version=77, timeout=None)
-                    else:
-                        publisher.close()
-                except tensorbucket.InvalidArgument as e:
-                    seen.append(str(e))
-                return args[0].fill_(7.0)
-            raise RuntimeError(func)
+        def copy(cls, target):
+            try:
+                if inner == "publish":
+                    publisher.publish({"x": torch.ones(3)}, version=77, timeout=None)
+                else:
+                    publisher.close()
+            except tensorbucket.InvalidArgument as e:
+                seen.append(str(e))
+            return target.fill_(7.0)
 
     try:
         publisher.publish({"w": CallsBack((3,))}, version=1, timeout=None)
