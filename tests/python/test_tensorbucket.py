@@ -41,6 +41,16 @@ exec(SLEEPERS)
 
 
 @pytest.fixture
+def one_torch_thread():
+    """torch runs the work on large tensors (and a nested tensor's copies) on OpenMP threads,
+    whose joins ThreadSanitizer does not see: under it, their stack reuse reads as a race."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def channel(request):
     name = "".join(c if c.isalnum() or c in "._-" else "-" for c in request.node.name)
     return f"tbpy-{os.getpid()}-{name}"[:64]
@@ -973,7 +983,7 @@ def test_load_into_a_torch_dispatch_target_goes_through_its_copy(channel, source
     assert torch.equal(base, torch.ones(3))
 
 
-def test_load_into_an_update_released_by_another_thread_meanwhile_loads_only_that_update(channel):
+def test_load_into_an_update_released_by_another_thread_meanwhile_loads_only_that_update(channel, one_torch_thread):
     """load_into() of an Update copies without the GIL. It read the update through a plain
     reference, so a release() from another thread meanwhile gave the slot back under the copy:
     the producer rewrote it, and the target got two versions' bytes."""
@@ -1099,7 +1109,7 @@ def test_a_tensor_whose_storage_was_freed_is_refused_by_name(channel):
                 tensorbucket.load_into(weights, {"bias": torch.zeros(4), "weight": torch.zeros(1 << 18)})
 
 
-def test_a_storage_being_published_cannot_be_resized_under_the_copy(channel):
+def test_a_storage_being_published_cannot_be_resized_under_the_copy(channel, one_torch_thread):
     """A publish waiting for a slot holds its tensors' storages, and copies from them once one
     is free, without the GIL. Another thread's untyped_storage().resize_(0) (FSDP's) freed the
     bytes under it: the process crashed, or a reallocation sent freed memory. Now that resize
@@ -1132,7 +1142,7 @@ def test_a_storage_being_published_cannot_be_resized_under_the_copy(channel):
     assert weight.untyped_storage().nbytes() == 0
 
 
-def test_a_mapping_that_makes_its_tensors_as_it_goes_sends_their_bytes(channel):
+def test_a_mapping_that_makes_its_tensors_as_it_goes_sends_their_bytes(channel, one_torch_thread):
     """A Mapping whose __getitem__ converts as it is read (a float32 view of float64 master
     weights) makes each tensor in its items() and drops it once walked. A small publish staged
     their bytes without holding them, and consumers got freed memory as a whole bucket."""
@@ -1199,7 +1209,7 @@ class _CopiedByPython(torch.Tensor):
 
 
 @pytest.mark.parametrize("numel", [16, 1 << 21], ids=["small", "8 MiB"])
-def test_a_tensor_whose_copy_raises_costs_no_bucket_the_channel_holds(channel, numel):
+def test_a_tensor_whose_copy_raises_costs_no_bucket_the_channel_holds(channel, one_torch_thread, numel):
     """With one slot, the copy of a wrapper subclass ran into the reserved slot: when it raised,
     the slot that held the newest update was left empty, and a consumer that came later got
     nothing. Its copy now runs before the slot is reserved."""
@@ -1278,14 +1288,9 @@ def test_a_wrapper_subclass_is_sent_by_value_or_refused_with_its_own_error(chann
                     assert torch.equal(bucket["w"], torch.arange(6.0))
 
 
-def test_a_nested_tensor_is_refused_by_name(channel):
+def test_a_nested_tensor_is_refused_by_name(channel, one_torch_thread):
     """Before, the kept layout's check of a nested tensor ended the process (it has no sizes)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # torch copies the parts on OpenMP threads, whose joins TSan does not see
-    try:
-        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
-    finally:
-        torch.set_num_threads(threads)
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     with tensorbucket.Publisher(channel, slots=2) as publisher:
         publisher.publish({"w": torch.zeros(3)})
         with pytest.raises(tensorbucket.InvalidArgument, match="entry 'w' is a nested tensor"):
