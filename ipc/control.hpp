@@ -86,6 +86,13 @@ enum class PayloadHome : std::uint16_t { kHost = 0, kCuda = 1 };
 // ControlBlock::policy: what the producer does when every slot is still needed.
 enum class SlotPolicy : std::uint16_t { kBlock = 0, kLatest = 1 };
 
+// ControlBlock::closed.
+enum class Closed : std::uint16_t {
+  kOpen = 0,
+  kByProducer = 1,
+  kByRemover = 2,  // its producer is dead: a remover holds its lock byte (leftovers.hpp)
+};
+
 struct alignas(64) SlotControl {
   std::uint64_t generation;       // seqlock word, see above
   std::uint64_t segment_epoch;    // the slot's storage epoch (slot_storage.hpp); 0 = none
@@ -147,7 +154,7 @@ struct ControlBlock {
   std::uint16_t max_consumers;
   std::uint16_t min_consumers;
   std::uint16_t payload_checksum;
-  std::uint16_t closed;         // 1 once the producer closed the channel
+  std::uint16_t closed;         // a Closed: set once, by the producer or by a remover of its leftovers
   ProcessLabel producer;
   std::uint64_t published;      // buckets published so far
   std::uint64_t claims;         // attaches so far: the next one's token is claims + 1
@@ -202,5 +209,11 @@ inline void store_label(ProcessLabel& shared, const ProcessLabel& value) {
 void validate_channel_name(std::string_view channel);
 std::string control_segment_name(std::string_view channel);
 std::string slot_segment_name(std::string_view channel, std::uint32_t slot, std::uint64_t epoch);
+
+// The epoch before a producer's first: its epochs count up from its incarnation's high half,
+// so that no two producers of a name share a slot segment's name. A consumer still attached
+// to a dead producer opens its slots by name; under a restarted producer's epochs 1, 2, ...
+// it found the new producer's segments and took their bytes for the dead one's buckets.
+constexpr std::uint64_t epoch_base(std::uint64_t incarnation) { return incarnation & ~std::uint64_t{0xffffffff}; }
 
 }  // namespace tensorbucket::ipc

@@ -94,8 +94,10 @@ ChannelInfo inspect_channel(std::string_view channel) {
     if (ipc::holds_bucket(state.generation)) state.bucket = ipc::bucket_in(state.generation);
     state.release_count = ipc::atomic(slot.release_count).load(std::memory_order_relaxed);
     auto epoch = ipc::atomic(slot.segment_epoch).load(std::memory_order_relaxed);
-    if (epoch != 0) state.segment = ipc::slot_segment_name(channel, s, epoch);
-    state.epoch = epoch;
+    if (epoch != 0) {
+      state.segment = ipc::slot_segment_name(channel, s, epoch);
+      state.epoch = epoch - ipc::epoch_base(info.producer_incarnation);  // counted from 1, for people
+    }
     state.payload_capacity = ipc::atomic(slot.payload_capacity).load(std::memory_order_relaxed);
     state.segment_bytes = ipc::atomic(slot.segment_bytes).load(std::memory_order_relaxed);
     if (state.bucket) {

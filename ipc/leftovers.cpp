@@ -10,12 +10,28 @@
 
 namespace tensorbucket::ipc {
 
+namespace {
+
+// The control block of `segment`, when it has room for one.
+ControlBlock* control_of(const Segment& segment) {
+  return segment.size() >= sizeof(ControlBlock) ? reinterpret_cast<ControlBlock*>(segment.data()) : nullptr;
+}
+
+bool closed_by_remover(const Segment& segment) {
+  auto* control = control_of(segment);
+  return control != nullptr &&
+         atomic(control->closed).load(std::memory_order_acquire) == static_cast<std::uint16_t>(Closed::kByRemover);
+}
+
+}  // namespace
+
 Holder holder_of(const std::string& name, const Segment& segment) {
-  // In this order: a remover takes its byte before the producer's and lets go of it after, so a
-  // producer's byte held, then the remover's free, means the producer's own, unless the removal
-  // ended in between, which unlinked the name.
+  // A remover holds the producer's byte only once it found the producer dead, and marks the
+  // channel so before it removes anything. Not its own byte: every remover takes that one
+  // first, also one that then finds a live producer (a `tbucket rm` refused, a second
+  // producer of the name), and such a moment must not make the producer look dead.
   if (!held_by_other(segment.descriptor(), kProducerLockByte)) return Holder::kNobody;
-  if (held_by_other(segment.descriptor(), kRemoverLockByte) || !segment.named(name)) return Holder::kRemover;
+  if (closed_by_remover(segment) || !segment.named(name)) return Holder::kRemover;
   return Holder::kProducer;
 }
 
@@ -30,18 +46,25 @@ Holder remove_if_dead(std::string_view channel, const std::string& name, const S
   if (!try_lock(stale.descriptor(), kProducerLockByte)) return Holder::kProducer;
   Locked producer{stale.descriptor(), kProducerLockByte};  // let go of before the remover's byte
   if (!stale.named(name)) return Holder::kNobody;  // removed or replaced meanwhile: not ours to remove
+  // Its consumers take this for their producer's death (holder_of()), before its names go.
+  if (auto* control = control_of(stale)) {
+    atomic(control->closed).store(static_cast<std::uint16_t>(Closed::kByRemover), std::memory_order_release);
+    futex_bump_and_wake(control->consumer_wake);
+  }
   remove_names(channel, name, stale);
   return Holder::kNobody;
 }
 
 void remove_names(std::string_view channel, const std::string& name, const Segment& stale) {
-  if (stale.size() >= sizeof(ControlBlock)) {
-    auto* control = reinterpret_cast<ControlBlock*>(stale.data());
+  if (auto* control = control_of(stale)) {
     // The dead producer may have died growing a slot, between creating one epoch and
-    // unlinking the previous: remove the neighbours too.
+    // unlinking the previous, or making its first, before the control block named it:
+    // remove the neighbours too.
+    auto first = epoch_base(atomic(control->incarnation).load(std::memory_order_relaxed)) + 1;
     auto slots = std::min<std::uint32_t>(atomic(control->slot_count).load(std::memory_order_relaxed), kMaxSlots);
     for (std::uint32_t s = 0; s < slots; ++s) {
       auto epoch = atomic(control->slots[s].segment_epoch).load(std::memory_order_relaxed);
+      if (epoch == 0) epoch = first;
       for (auto e : {epoch - 1, epoch, epoch + 1}) {
         if (e != 0) Segment::remove_if_ours(slot_segment_name(channel, s, e));
       }

@@ -106,7 +106,7 @@ struct detail::PublisherState {
         writer(ipc::payload_device(options.location)) {
     slots.reserve(options.slots);
     for (std::uint32_t s = 0; s < options.slots; ++s) {
-      slots.push_back({ipc::SlotStorage(channel, s, options.mode, ipc::payload_device(options.location))});
+      slots.push_back({ipc::SlotStorage(channel, s, options.mode, ipc::payload_device(options.location), incarnation)});
     }
   }
 
@@ -448,11 +448,10 @@ struct detail::PublisherState {
   }
 
   void remove_segments() noexcept {
-    // Our names were removed from under us (`tbucket rm --force`), and may name another
-    // producer's channel by now: leave them alone.
-    if (!control_segment.named(ipc::control_segment_name(channel))) return;
+    // Each only while its name is still ours: after a `tbucket rm --force` the control
+    // segment's may be another producer's by now, and a slot grown since is ours alone.
     for (auto& slot : slots) slot.storage.remove();
-    ipc::Segment::remove(ipc::control_segment_name(channel));
+    if (control_segment.named(ipc::control_segment_name(channel))) ipc::Segment::remove(ipc::control_segment_name(channel));
   }
 };
 
@@ -653,7 +652,7 @@ void Publisher::close() noexcept {
   if (!state_ || state_->closed) return;
   state_->closed = true;
   if (state_->forked()) return;  // the channel is the parent's
-  ipc::atomic(state_->control->closed).store(1, std::memory_order_release);
+  ipc::atomic(state_->control->closed).store(static_cast<std::uint16_t>(ipc::Closed::kByProducer), std::memory_order_release);
   ipc::futex_bump_and_wake(state_->control->consumer_wake);
   // Unlinked while we still hold the producer lock, which goes with the control segment's
   // descriptor: until then the name is ours (see remove_stale_channel()).

@@ -144,8 +144,9 @@ PayloadLocation location_of(const Home& home) {
   return PayloadLocation::cuda(device_ordinal(home.device));
 }
 
-SlotStorage::SlotStorage(std::string channel, std::uint32_t slot, mode_t mode, std::optional<int> device)
-    : channel_(std::move(channel)), slot_(slot), mode_(mode), ordinal_(device) {}
+SlotStorage::SlotStorage(std::string channel, std::uint32_t slot, mode_t mode, std::optional<int> device,
+                         std::uint64_t incarnation)
+    : channel_(std::move(channel)), slot_(slot), mode_(mode), ordinal_(device), epoch_(epoch_base(incarnation)) {}
 SlotStorage::SlotStorage(SlotStorage&&) noexcept = default;
 SlotStorage::~SlotStorage() = default;
 
@@ -208,7 +209,9 @@ void SlotStorage::record_ready(DeviceStream stream) const {
 }
 
 void SlotStorage::remove() noexcept {
-  if (epoch_ != 0) Segment::remove(slot_segment_name(channel_, slot_, epoch_));
+  if (!segment_) return;
+  auto name = slot_segment_name(channel_, slot_, epoch_);
+  if (segment_->named(name)) Segment::remove(name);
 }
 
 // A slot's payload as a consumer holds it: memory and ready event imported from another

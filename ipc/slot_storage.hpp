@@ -66,7 +66,9 @@ PayloadLocation location_of(const Home& home);
 class SlotStorage {
  public:
   // `device`: the CUDA ordinal (in this process) that holds the payloads; none: the host.
-  SlotStorage(std::string channel, std::uint32_t slot, mode_t mode, std::optional<int> device);
+  // `incarnation`: the producer's, which its epochs start from (epoch_base()).
+  SlotStorage(std::string channel, std::uint32_t slot, mode_t mode, std::optional<int> device,
+              std::uint64_t incarnation);
   SlotStorage(SlotStorage&&) noexcept;
   SlotStorage& operator=(SlotStorage&&) = delete;
   ~SlotStorage();
@@ -88,7 +90,8 @@ class SlotStorage {
   // CUDA: records the ready event on `stream`, after the work that wrote the payload.
   void record_ready(DeviceStream stream) const;
 
-  // Unlinks the present epoch's segment (mappings stay valid).
+  // Unlinks the present epoch's segment (mappings stay valid), while its name is still ours:
+  // after a `tbucket rm --force` it may be another producer's.
   void remove() noexcept;
 
   struct Device;  // slot_storage.cpp

@@ -331,10 +331,11 @@ struct detail::SubscriberState {
     last_liveness_check = now;
     return producer_gone_now();
   }
-  // Its lock free, or held by someone removing its leftovers (leftovers.hpp).
+  // Its lock free, or held by someone removing its leftovers, who marked the channel closed
+  // first (leftovers.hpp).
   bool producer_gone_now() const {
-    return !ipc::held_by_other(control_segment.descriptor(), ipc::kProducerLockByte) ||
-           ipc::held_by_other(control_segment.descriptor(), ipc::kRemoverLockByte);
+    return ipc::atomic(control->closed).load(std::memory_order_acquire) != 0 ||
+           !ipc::held_by_other(control_segment.descriptor(), ipc::kProducerLockByte);
   }
 
   void refuse_if_control_damaged() const {

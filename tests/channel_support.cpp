@@ -167,8 +167,14 @@ void Tampering::truncate(std::size_t bytes) {
 
 std::string control_name(const std::string& channel) { return "tensorbucket." + channel; }
 
-std::string slot_name(const std::string& channel, std::uint32_t slot, std::uint64_t epoch) {
-  return control_name(channel) + ".slot" + std::to_string(slot) + "." + std::to_string(epoch);
+std::string slot_name(const std::string& channel, std::uint32_t slot) {
+  auto prefix = control_name(channel) + ".slot" + std::to_string(slot) + ".";
+  std::vector<std::string> found;
+  for (const auto& name : segments_of(channel)) {
+    if (name.starts_with(prefix)) found.push_back(name);
+  }
+  if (found.size() != 1) throw std::runtime_error(std::to_string(found.size()) + " segments named " + prefix + "*");
+  return found.front();
 }
 
 ReceivedBucket next_bucket(Subscriber& subscriber, std::chrono::milliseconds timeout) {

@@ -103,7 +103,9 @@ class Tampering {
 };
 
 std::string control_name(const std::string& channel);
-std::string slot_name(const std::string& channel, std::uint32_t slot, std::uint64_t epoch = 1);
+// The name of slot `slot`'s segment, which must exist (its epoch starts from the producer's
+// incarnation: see epoch_base()).
+std::string slot_name(const std::string& channel, std::uint32_t slot);
 
 // The next bucket, or an exception (which the test reports) when none comes.
 ReceivedBucket next_bucket(Subscriber& subscriber, std::chrono::milliseconds timeout = 10s);

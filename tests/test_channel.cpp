@@ -840,13 +840,14 @@ TEST_F(Channel, RefusesChannelOwnedByAnotherUser) {
 // as root, whom the sticky /dev/shm would let unlink it, refuses and leaves it there.
 TEST_F(Channel, AnotherUsersObjectInTheWayOfASlotIsLeftAlone) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root: only root could remove another user's object";
-  auto name = "/" + test::slot_name(channel, 0);
-  int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  ASSERT_GE(fd, 0);
-  ASSERT_EQ(::fchown(fd, 65534, 65534), 0);
-  ::close(fd);
+  std::string name;
   {
     auto publisher = Publisher::create(channel);
+    name = "/" + ipc::slot_segment_name(channel, 0, ipc::epoch_base(publisher.incarnation()) + 1);
+    int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::fchown(fd, 65534, 65534), 0);
+    ::close(fd);
     auto message = expect_error(ErrorCode::PermissionDenied, [&] {
       publisher.publish(cli::make_bucket({.tensors = 2, .tensor_bytes = 64}, 0).builder, 1s);
     });
@@ -856,6 +857,20 @@ TEST_F(Channel, AnotherUsersObjectInTheWayOfASlotIsLeftAlone) {
   ASSERT_EQ(::stat(("/dev/shm" + name).c_str(), &status), 0);
   EXPECT_EQ(status.st_uid, 65534u);
   ::shm_unlink(name.c_str());
+}
+
+// After `tbucket rm --force` the control segment's name may be another producer's, so close()
+// leaves it alone; a slot grown since is this producer's alone, and close() used to leave it in
+// /dev/shm for good.
+TEST_F(Channel, CloseRemovesASlotGrownAfterAForcedRemoval) {
+  auto publisher = Publisher::create(channel, {.min_consumers = 0});
+  ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 1, .tensor_bytes = 64}, 0).builder, 1s));
+  remove_channel(channel, true);
+  EXPECT_EQ(segments_of(channel), std::vector<std::string>{});
+  ASSERT_TRUE(publisher.publish(cli::make_bucket({.tensors = 4, .tensor_bytes = 1 << 20}, 1).builder, 1s));
+  EXPECT_EQ(segments_of(channel).size(), 1u);  // slot 0's new epoch
+  publisher.close();
+  EXPECT_EQ(segments_of(channel), std::vector<std::string>{});
 }
 
 TEST_F(Channel, ConsumerSeesProducerGoneAfterCleanClose) {

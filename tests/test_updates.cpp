@@ -435,7 +435,11 @@ TEST_F(Updates, AnAttacherDoesNotTakeARemoverForALiveProducer) {
     return ::fcntl(fd, F_OFD_SETLK, &range) == 0;
   };
   ASSERT_TRUE(lock(ipc::kRemoverLockByte, F_WRLCK));  // as a remover does: its byte first,
-  ASSERT_TRUE(lock(ipc::kProducerLockByte, F_WRLCK));  // then the dead producer's
+  ASSERT_TRUE(lock(ipc::kProducerLockByte, F_WRLCK));  // then the dead producer's,
+  {
+    test::Tampering control(test::control_name(channel));  // then it marks the channel
+    control.control().closed = static_cast<std::uint16_t>(ipc::Closed::kByRemover);
+  }
   expect_error(ErrorCode::ChannelMissing, [&] { Subscriber::attach(channel, 100ms); });
   EXPECT_FALSE(segments_of(channel).empty());  // left to the remover
   lock(ipc::kProducerLockByte, F_UNLCK);
@@ -443,6 +447,59 @@ TEST_F(Updates, AnAttacherDoesNotTakeARemoverForALiveProducer) {
   ::close(fd);
   expect_error(ErrorCode::ChannelMissing, [&] { Subscriber::attach(channel, 100ms); });
   EXPECT_EQ(segments_of(channel), std::vector<std::string>{});  // the attacher removed them
+}
+
+// A consumer still attached to a killed producer opens that producer's slots by name when it
+// first needs them. A restarted producer of the name used to make its slots under the same
+// names (epochs 1, 2, ...), and that consumer took the new producer's bytes for the dead one's
+// bucket 1, while they changed under its lease. It gets ProducerGone now, and the restarted
+// producer's buckets once, through a new attach.
+TEST_F(Updates, ARestartedProducersSlotsAreNotTakenForTheDeadOnes) {
+  Workload workload{.tensors = 2, .tensor_bytes = 256};
+  test::Signal attached;
+  Child dead([&] {
+    auto publisher = Publisher::create(channel, {.slots = 2});
+    attached.receive();
+    if (!publish(publisher, workload, 0) || !publish(publisher, workload, 1)) return 3;
+    ::kill(::getpid(), SIGKILL);
+    return 0;
+  });
+  auto subscriber = Subscriber::attach(channel, 10s);
+  attached.send();
+  EXPECT_EQ(cli::check_bucket(next_bucket(subscriber).view(), workload.seed, 0), "");  // slot 1 not opened yet
+  EXPECT_EQ(dead.wait(), -SIGKILL);
+  auto restarted = Publisher::create(channel, {.slots = 2, .min_consumers = 0});
+  ASSERT_TRUE(publish(restarted, workload, 101));
+  ASSERT_TRUE(publish(restarted, workload, 102));
+  expect_error(ErrorCode::ProducerGone, [&] { subscriber.next(1s); });
+  auto again = Subscriber::attach(channel, 1s);  // a joiner: from what the slots still hold
+  EXPECT_EQ(cli::check_bucket(next_bucket(again).view(), workload.seed, 101), "");
+  EXPECT_EQ(cli::check_bucket(next_bucket(again).view(), workload.seed, 102), "");
+}
+
+// A remover takes its own lock byte before it looks at the producer's: a `tbucket rm` refused
+// because the producer lives, or a second producer of the name, holds it for a moment. Its
+// consumers used to take that for the producer's death (ProducerGone; under follow_restarts, a
+// re-attach that delivered buckets twice).
+TEST_F(Updates, ARefusedRemoverDoesNotMakeALiveProducerLookGone) {
+  Workload workload{.tensors = 2, .tensor_bytes = 64};
+  auto publisher = Publisher::create(channel);
+  auto subscriber = Subscriber::attach(channel, 1s);
+  int fd = ::shm_open(("/" + test::control_name(channel)).c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  struct flock range{};
+  range.l_type = F_WRLCK;
+  range.l_whence = SEEK_SET;
+  range.l_start = ipc::kRemoverLockByte;
+  range.l_len = 1;
+  ASSERT_EQ(::fcntl(fd, F_OFD_SETLK, &range), 0);
+  EXPECT_FALSE(subscriber.next(50ms).has_value());  // waits past the liveness check (5 ms), no ProducerGone
+  ::close(fd);
+  expect_error(ErrorCode::ChannelExists, [&] { remove_channel(channel); });
+  expect_error(ErrorCode::ChannelExists, [&] { Publisher::create(channel); });
+  EXPECT_FALSE(subscriber.next(50ms).has_value());
+  ASSERT_TRUE(publish(publisher, workload, 0));
+  EXPECT_EQ(cli::check_bucket(next_bucket(subscriber).view(), workload.seed, 0), "");
 }
 
 TEST_F(Updates, AnAttacherWaitsForTheProducerThatReplacesADeadOne) {

@@ -378,7 +378,7 @@ struct ChannelInfo {
     std::uint32_t release_count;
     std::string segment;                   // its shared-memory object, empty when none
     std::uint64_t segment_bytes;
-    std::uint64_t epoch;                   // its storage epoch (a new one when it grew)
+    std::uint64_t epoch;                   // its storage epoch, the producer's first 1 (a new one when it grew)
     std::uint64_t payload_capacity;
     std::optional<std::uint64_t> version;  // the update of its bucket, as the producer wrote it
     std::uint32_t bucket_index, bucket_count;

@@ -72,12 +72,17 @@ Descriptor keep(const bip::shared_memory_object& shm, const std::string& name, c
   return Descriptor(fd, pause);
 }
 
-bool same_object(int fd, const std::string& name) {
+// The object an open descriptor refers to; nullopt when fstat fails.
+std::optional<ObjectId> id_of(int fd) {
+  struct stat status {};
+  if (::fstat(fd, &status) != 0) return std::nullopt;
+  return ObjectId{status.st_dev, status.st_ino};
+}
+
+bool same_object(std::optional<ObjectId> ours, const std::string& name) {
   try {
     bip::shared_memory_object named(bip::open_only, name.c_str(), bip::read_only);
-    struct stat ours {}, theirs {};
-    return ::fstat(fd, &ours) == 0 && ::fstat(named.get_mapping_handle().handle, &theirs) == 0 &&
-           ours.st_dev == theirs.st_dev && ours.st_ino == theirs.st_ino;
+    return ours && id_of(named.get_mapping_handle().handle) == ours;
   } catch (const bip::interprocess_exception&) {
     return false;
   }
@@ -85,12 +90,14 @@ bool same_object(int fd, const std::string& name) {
 
 }  // namespace
 
-Segment::Segment(Descriptor descriptor, bip::mapped_region region, bool writable, Locks locks)
+Segment::Segment(Descriptor descriptor, bip::mapped_region region, std::optional<ObjectId> id, bool writable,
+                 Locks locks)
     : descriptor_(std::move(descriptor)),
       region_(std::move(region)),
+      id_(id),
       guard_(region_.get_address(), region_.get_size(), writable, locks == Locks::kNone) {}
 
-bool Segment::named(const std::string& name) const { return same_object(descriptor(), name); }
+bool Segment::named(const std::string& name) const { return same_object(id_, name); }
 
 namespace {
 
@@ -101,6 +108,7 @@ namespace {
 struct Mapped {
   Descriptor descriptor;
   bip::mapped_region region;
+  std::optional<ObjectId> id;
 };
 
 void keep_from_children(const bip::mapped_region& region) {
@@ -116,6 +124,7 @@ Segment Segment::create(const std::string& name, std::size_t bytes, mode_t mode,
     try {
       bip::permissions permissions(static_cast<int>(mode));
       bip::shared_memory_object shm(bip::create_only, name.c_str(), bip::read_write, permissions);
+      auto id = id_of(shm.get_mapping_handle().handle);
       Descriptor descriptor;
       if (pause) {
         descriptor = keep(shm, name, *pause);
@@ -129,11 +138,11 @@ Segment Segment::create(const std::string& name, std::size_t bytes, mode_t mode,
         allocate_all(shm.get_mapping_handle().handle, name, bytes);
         bip::mapped_region region(shm, bip::read_write);
         if (pause) keep_from_children(region);
-        return Mapped{std::move(descriptor), std::move(region)};
+        return Mapped{std::move(descriptor), std::move(region), id};
       } catch (...) {
         // Only what still names our object; holding its lock, nobody can replace it meanwhile.
         // Without locks the name is a slot's, which only the producer owning the channel makes.
-        if (!pause || same_object(descriptor.get(), name)) bip::shared_memory_object::remove(name.c_str());
+        if (!pause || same_object(id, name)) bip::shared_memory_object::remove(name.c_str());
         throw;
       }
     } catch (const bip::interprocess_exception& e) {
@@ -144,7 +153,7 @@ Segment Segment::create(const std::string& name, std::size_t bytes, mode_t mode,
            " bytes: ", e.what());
     }
   }();
-  return Segment(std::move(mapped.descriptor), std::move(mapped.region), true, locks);
+  return Segment(std::move(mapped.descriptor), std::move(mapped.region), mapped.id, true, locks);
 }
 
 std::optional<Segment> Segment::open(const std::string& name, std::size_t min_bytes,
@@ -172,10 +181,11 @@ std::optional<Segment> Segment::open(const std::string& name, std::size_t min_by
       too_small(static_cast<std::uint64_t>(status.st_size));
       auto descriptor = pause ? keep(shm, name, *pause) : Descriptor();
       // An object just created by a producer that has not sized it yet: nothing to map.
-      if (status.st_size == 0) return Mapped{std::move(descriptor), bip::mapped_region()};
+      ObjectId id{status.st_dev, status.st_ino};
+      if (status.st_size == 0) return Mapped{std::move(descriptor), bip::mapped_region(), id};
       bip::mapped_region region(shm, mode);
       if (pause) keep_from_children(region);
-      return Mapped{std::move(descriptor), std::move(region)};
+      return Mapped{std::move(descriptor), std::move(region), id};
     } catch (const bip::interprocess_exception& e) {
       if (e.get_error_code() == bip::not_found_error) return std::nullopt;
       if (e.get_error_code() == bip::security_error) {
@@ -189,7 +199,7 @@ std::optional<Segment> Segment::open(const std::string& name, std::size_t min_by
     }
   }();
   if (!mapped) return std::nullopt;
-  Segment segment(std::move(mapped->descriptor), std::move(mapped->region), writable, locks);
+  Segment segment(std::move(mapped->descriptor), std::move(mapped->region), mapped->id, writable, locks);
   too_small(segment.size());  // mapped at its size then, which may have shrunk since fstat
   return segment;
 }

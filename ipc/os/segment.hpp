@@ -23,6 +23,13 @@ namespace tensorbucket::ipc {
 // lock, alive after the parent died. The child's handles never touch it (they refuse).
 enum class Locks : bool { kNone, kKept };
 
+// A shared-memory object, as the filesystem names it.
+struct ObjectId {
+  dev_t device;
+  ino_t inode;
+  bool operator==(const ObjectId&) const = default;
+};
+
 class Segment {
  public:
   // Creates `name` exclusively (O_EXCL) with `mode` and `bytes` (zero-filled, all allocated
@@ -59,7 +66,7 @@ class Segment {
   // it (liveness.hpp); -1 otherwise.
   int descriptor() const noexcept { return descriptor_.get(); }
 
-  // True while `name` names this object: neither unlinked nor replaced. Locks::kKept only.
+  // True while `name` names this object: neither unlinked nor replaced.
   bool named(const std::string& name) const;
 
   // True once another process truncated the object under this mapping (fault_guard.hpp):
@@ -67,9 +74,11 @@ class Segment {
   bool damaged() const noexcept { return guard_.damaged(); }
 
  private:
-  Segment(Descriptor descriptor, boost::interprocess::mapped_region region, bool writable, Locks locks);
+  Segment(Descriptor descriptor, boost::interprocess::mapped_region region, std::optional<ObjectId> id,
+          bool writable, Locks locks);
   Descriptor descriptor_;
   boost::interprocess::mapped_region region_;
+  std::optional<ObjectId> id_;  // the object mapped, as it was when created or opened
   GuardedRange guard_;  // declared last: unguarded before the region is unmapped
 };
 

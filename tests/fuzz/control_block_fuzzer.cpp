@@ -68,7 +68,8 @@ std::string fuzz_outcome(const std::uint8_t* data, std::size_t size) {
   {
     Mapped control("tensorbucket." + channel, 0);
     xor_into(control.data, control.bytes, data, control_bytes);
-    Mapped slot("tensorbucket." + channel + ".slot0.1", 4096);  // the frame follows a page of payload
+    // The frame follows a page of payload.
+    Mapped slot(ipc::slot_segment_name(channel, 0, ipc::epoch_base(publisher.incarnation()) + 1), 4096);
     xor_into(slot.data + slot.from, slot.bytes - slot.from, data + control_bytes, size - control_bytes);
   }
 
