@@ -580,6 +580,9 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout, const S
     at::NoGradGuard no_grad;
     for (const auto& [i, tensor] : staged.by_value_) view_of(entries[i], spans[i], nullptr, device).copy_(tensor.detach());
   }
+  // Interrupted during the copy (a Ctrl+C in Python): nothing is published, as for an
+  // interrupted wait; the reservation is dropped.
+  if (deadline.ask()) return false;
   // This is a publish: its copying is part of the handover, as publish() stamps it.
   reservation->commit(Reservation::HandoverFrom::Reserve);
   return true;

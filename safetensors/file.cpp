@@ -35,6 +35,23 @@ using text::Quoted;
   fail(ErrorCode::SystemError, doing, " ", path, ": ", std::strerror(errno));
 }
 
+// Calls make(name) with hidden names beside `path` (".name.tmp-xxxxxxxx", within NAME_MAX
+// however long path's own name is) until it returns true; one that exists is tried again
+// under another name (EEXIST), any other failure is SystemError.
+template <class Make>
+void hidden_beside(const std::string& path, Make&& make) {
+  auto where = std::filesystem::path(path);
+  auto name = where.filename().string().substr(0, 200);
+  std::random_device random;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    char suffix[16];
+    std::snprintf(suffix, sizeof suffix, ".tmp-%08x", static_cast<unsigned>(random()));
+    if (make((where.parent_path() / ("." + name + suffix)).string())) return;
+    if (errno != EEXIST) fail_errno("cannot create a file beside", path);
+  }
+  fail_errno("cannot create a file beside", path);
+}
+
 // A file descriptor, closed when done.
 class File {
  public:
@@ -43,26 +60,51 @@ class File {
   explicit File(const std::string& path) : path_(path), fd_(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC)) {
     if (fd_ < 0) fail_errno("cannot open", path);
   }
-  // A new file beside `path`, for writing, made as open() makes a file (0666 less the umask),
-  // under a hidden name that stays within NAME_MAX however long path's own name is.
+  // A new file in `path`'s folder, for writing, made as open() makes a file (0666 less the
+  // umask), to be put in place over `path` whole (place()). Unnamed until then where the
+  // filesystem can (O_TMPFILE), so that a process killed while writing leaves nothing behind;
+  // elsewhere under a hidden name beside it, removed on an error (discard()) but not by a kill.
   struct Beside {};
   File(const std::string& path, Beside) : fd_(-1) {
-    auto where = std::filesystem::path(path);
-    auto name = where.filename().string().substr(0, 200);
-    std::random_device random;
-    for (int attempt = 0; fd_ < 0 && attempt < 100; ++attempt) {
-      char suffix[16];
-      std::snprintf(suffix, sizeof suffix, ".tmp-%08x", static_cast<unsigned>(random()));
-      path_ = (where.parent_path() / ("." + name + suffix)).string();
-      fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-      if (fd_ < 0 && errno != EEXIST) fail_errno("cannot create a file beside", path);
+    auto folder = std::filesystem::path(path).parent_path();
+    // Linked into place through /proc (linkat() of the descriptor itself needs a privilege).
+    if (::access("/proc/self/fd", X_OK) == 0) {
+      fd_ = ::open(folder.empty() ? "." : folder.c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, 0666);
+      path_ = text::message("an unnamed file beside ", path);
     }
-    if (fd_ < 0) fail_errno("cannot create a file beside", path);
+    if (fd_ < 0) {
+      named_ = true;
+      hidden_beside(path, [&](const std::string& hidden) {
+        path_ = hidden;
+        fd_ = ::open(hidden.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+        return fd_ >= 0;
+      });
+    }
     // The mode open() gave it, kept for the end; private until then (it is empty so far).
     created_mode_ = status().st_mode & 07777;
     if (::fchmod(fd_, 0600) != 0) fail_errno("cannot set the mode of", path_);
   }
   mode_t created_mode() const noexcept { return created_mode_; }
+
+  // Renames the file over `path`; an unnamed one is linked under a hidden name first, which is
+  // there for a moment only.
+  void place(const std::string& path) {
+    if (!named_) {
+      auto descriptor = "/proc/self/fd/" + std::to_string(fd_);
+      hidden_beside(path, [&](const std::string& hidden) {
+        if (::linkat(AT_FDCWD, descriptor.c_str(), AT_FDCWD, hidden.c_str(), AT_SYMLINK_FOLLOW) != 0) return false;
+        path_ = hidden;
+        named_ = true;
+        return true;
+      });
+    }
+    if (::rename(path_.c_str(), path.c_str()) != 0) fail_errno(text::message("cannot rename ", path_, " to"), path);
+    named_ = false;  // it is `path` now
+  }
+  // Removes the name a file for writing still has (see Beside).
+  void discard() noexcept {
+    if (named_) ::unlink(path_.c_str());
+  }
   File(const File&) = delete;
   File& operator=(const File&) = delete;
   ~File() {
@@ -135,6 +177,7 @@ class File {
 
  private:
   std::string path_;
+  bool named_ = false;  // a file for writing under a hidden name of ours (see Beside)
   int fd_;
   mode_t created_mode_ = 0;
 };
@@ -362,7 +405,8 @@ void save(std::span<const BucketView* const> buckets, const std::string& path) {
   std::byte length[8];
   for (int i = 0; i < 8; ++i) length[i] = static_cast<std::byte>(json.size() >> (8 * i));
 
-  // Beside the target, under a new name, then renamed over it: a reader never sees half a file.
+  // Beside the target, unnamed (or under a hidden name), then renamed over it: a reader never
+  // sees half a file, and a kill while writing leaves none.
   // Its mode is the file's it replaces (weights kept private stay so), or what the umask leaves
   // of 0666, as for any new file.
   File file(path, File::Beside{});
@@ -376,9 +420,9 @@ void save(std::span<const BucketView* const> buckets, const std::string& path) {
     auto mode = ::stat(path.c_str(), &replaced) == 0 ? replaced.st_mode & 07777 : file.created_mode();
     if (::fchmod(file.descriptor(), mode) != 0) fail_errno("cannot set the mode of", file.path());
     file.sync();
-    if (::rename(file.path().c_str(), path.c_str()) != 0) fail_errno(text::message("cannot rename ", file.path(), " to"), path);
+    file.place(path);
   } catch (...) {
-    ::unlink(file.path().c_str());
+    file.discard();
     throw;
   }
 }

@@ -209,7 +209,9 @@ class PyPublisher {
       ~Unstage() { staged.clear(); }
     } unstage{borrowed_};
     if (!stage_kept(tensors, borrowed_)) return false;
-    if (!torch_bridge::publish_in_place(publisher_, kept_->builder, borrowed_, Deadline::after(Clock::duration::zero()))) {
+    auto at_once = Deadline::after(Clock::duration::zero()).unless([] { return PyErr_CheckSignals() != 0; });
+    if (!torch_bridge::publish_in_place(publisher_, kept_->builder, borrowed_, at_once)) {
+      if (PyErr_Occurred() != nullptr) throw py::error_already_set();  // a signal's handler raised
       return false;
     }
     published_ = publisher_.published();
@@ -239,6 +241,8 @@ class PyPublisher {
       ++i;
     });
     if (!fits || i != entries.size()) return false;
+    // A signal's handler that raised (Ctrl+C) during the copy: nothing published.
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
     reservation->commit(Reservation::HandoverFrom::Reserve);
     return true;
   }

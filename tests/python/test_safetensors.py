@@ -6,6 +6,8 @@ import json
 import os
 import struct
 import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -154,6 +156,37 @@ def test_save_refuses_what_is_not_a_received_bucket(tmp_path):
     with pytest.raises(TypeError, match="Bucket or Update"):
         tensorbucket.save({"w": torch.ones(2)}, tmp_path / "x.safetensors")  # type: ignore[arg-type]
     assert list(tmp_path.iterdir()) == []
+
+
+_SAVE_AND_WAIT = """
+import sys, torch, tensorbucket
+channel, path = sys.argv[1:]
+with tensorbucket.Publisher(channel) as publisher, tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+    publisher.publish({"w": torch.ones(64 << 20, dtype=torch.uint8)}, version=1)
+    bucket = subscriber.next(timeout=5)
+    print("saving", flush=True)
+    tensorbucket.save(bucket, path)
+    print("saved", flush=True)
+"""
+
+
+def test_a_save_killed_while_it_writes_leaves_no_file_behind(tmp_path, channel):
+    """The file is written unnamed (O_TMPFILE) and named only once whole: a hidden
+    '.x.safetensors.tmp-...' of the size written so far used to stay behind each kill."""
+    for delay in (0.0, 0.01, 0.03):
+        child = subprocess.Popen([sys.executable, "-c", _SAVE_AND_WAIT, channel, str(tmp_path / "x.safetensors")],
+                                 stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline() == "saving\n"
+        time.sleep(delay)
+        child.kill()
+        rest = child.communicate()[0]
+        left = [entry.name for entry in tmp_path.iterdir()]
+        assert left in ([], ["x.safetensors"]), left
+        if left:  # the kill came after the rename: the file is whole
+            assert rest == "saved\n" or (tmp_path / "x.safetensors").stat().st_size > 64 << 20
+            (tmp_path / "x.safetensors").unlink()
+    with pytest.raises(tensorbucket.ChannelError, match="ChannelMissing"):  # removes the killed producer's segments
+        tensorbucket.Subscriber(channel, timeout=0.01)
 
 
 def test_a_1_gib_file_round_trips_through_a_channel(tmp_path, channel):

@@ -557,6 +557,54 @@ def test_ctrl_c_interrupts_every_wait(channel):
         signal.signal(signal.SIGINT, previous)
 
 
+class _Interrupted(Exception):
+    pass
+
+
+def _interrupt(signum, frame):
+    raise _Interrupted
+
+
+def test_a_signal_during_the_copy_publishes_nothing(channel):
+    """A signal whose handler raises (Ctrl+C's KeyboardInterrupt) that lands while publish()
+    copies used to be raised once the call returned, after the bucket was published: the caller
+    could not tell. A publish that raises has published nothing; one that returns, its bucket.
+    The signal comes at a spread of moments, some after the call (not this test's case)."""
+    weights = {"w": torch.ones(16 << 20)}  # 64 MiB: copied without the GIL, for milliseconds
+    publisher = tensorbucket.Publisher(channel, slots=2)
+    subscriber = tensorbucket.Subscriber(channel, timeout=5)
+    publisher.publish(weights, version=0)  # the layout is kept from here on
+    subscriber.next(timeout=5).release()
+    previous = signal.signal(signal.SIGUSR1, _interrupt)
+    raised = 0
+    try:
+        for version in range(1, 41):
+            timer = threading.Timer(0.0005 * version, os.kill, (os.getpid(), signal.SIGUSR1))
+            published = publisher.published
+            try:
+                timer.start()
+                try:
+                    publisher.publish(weights, version=version)
+                    returned = True
+                except _Interrupted:
+                    returned = False
+                timer.join()
+                time.sleep(0.001)
+            except _Interrupted:
+                pass  # the signal came after the call
+            raised += not returned
+            assert publisher.published == published + returned
+            bucket = subscriber.next(timeout=0)
+            if returned:
+                assert bucket is not None and bucket.version == version
+                bucket.release()
+            else:
+                assert bucket is None, "a publish that raised published its bucket"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert raised > 0
+
+
 def test_closed_producer_is_producer_gone(channel):
     publisher = tensorbucket.Publisher(channel)
     subscriber = tensorbucket.Subscriber(channel, timeout=5)
