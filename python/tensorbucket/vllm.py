@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Optional
 
 import torch
 
@@ -99,6 +99,11 @@ class UpdateInfoMessage(WeightTransferUpdateInfo):
     whole: bool
 
 
+#: With tied embeddings, the checkpoint names of the input embedding and of the head that shares
+#: it (Llama, Mistral, Qwen and their kin).
+_EMBEDDING, _TIED_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
 class WorkerEngine(WeightTransferEngine[InitInfo, UpdateInfoMessage]):
     """The worker's engine: attaches a Subscriber at init, and loads each announced update
     inside vLLM's layerwise reload (which CPU prepacking and FP8 re-quantization need: a plain
@@ -112,6 +117,9 @@ class WorkerEngine(WeightTransferEngine[InitInfo, UpdateInfoMessage]):
         super().__init__(config, vllm_config, device, model)
         self._receiver: Optional[UpdateReceiver] = None
         self._reloading = False
+        text_config = getattr(self.model_config, "hf_text_config", None)
+        self._tied_head = (bool(getattr(text_config, "tie_word_embeddings", False))
+                           and isinstance(getattr(model, "lm_head", None), torch.nn.Module))
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         # A new trainer's channel replaces the last one once attached: a failed init leaves
@@ -122,10 +130,10 @@ class WorkerEngine(WeightTransferEngine[InitInfo, UpdateInfoMessage]):
         self._receiver = receiver
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-        self._reloading = True
+        # Nothing yet: the layers are put aside only while an update loads (receive_weights).
+        # Put aside here, until finish, a session left open by a trainer that died after its
+        # start killed the engine at its next request (layers on the meta device).
+        pass
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         try:
@@ -142,20 +150,66 @@ class WorkerEngine(WeightTransferEngine[InitInfo, UpdateInfoMessage]):
                          "the transfer first (init_weight_transfer_engine)")
         info = UpdateInfo.parse(vars(update_info))
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        # Each update is one whole reload: a layer split across two update_weights calls of a
+        # session would be processed half loaded.
+        initialize_layerwise_reload(self.model)
+        self._reloading = True
         with disable_mtp_completeness_check():
-            self._receiver.receive(info, self.model.load_weights)
-
-    def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
+            self._receiver.receive(info, self._loader())
+        self._refuse_partly_loaded_fused_layers(info)
         finalize_layerwise_reload(self.model, self.model_config)
         self._reloading = False
+
+    def finish_weight_update(self) -> None:
+        pass  # each update finished its reload (receive_weights)
 
     def shutdown(self) -> None:
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None
+
+    def _loader(self) -> Callable[[Iterable[tuple[str, torch.Tensor]]], Any]:
+        """model.load_weights, for one update. With tied embeddings, the embedding also loads
+        into the head unless the update carries the head itself: HF's named_parameters() (vLLM's
+        ModuleSource) names the shared tensor once, as the embedding, and vLLM's reload then
+        kept the head's old weights (its own copy, prepacked on CPU)."""
+        if not self._tied_head:
+            return self.model.load_weights
+        head_loaded = False
+
+        def with_head(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal head_loaded
+            for name, tensor in weights:
+                if name == _TIED_HEAD:
+                    if head_loaded:
+                        continue  # the embedding's again, already loaded as the head
+                    head_loaded = True
+                yield name, tensor
+                if name == _EMBEDDING and not head_loaded:
+                    head_loaded = True
+                    yield _TIED_HEAD, tensor
+
+        return lambda weights: self.model.load_weights(with_head(weights))
+
+    def _refuse_partly_loaded_fused_layers(self, info: UpdateInfo) -> None:
+        """InvalidArgument when a fused layer (q, k and v; gate and up) got some of its parts:
+        vLLM's reload would process it with the rest uninitialized, and report success."""
+        from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        partial = []
+        for name, layer in self.model.named_modules():
+            if isinstance(layer, (MergedColumnParallelLinear, QKVParallelLinear)):
+                state = layerwise.get_layerwise_info(layer)
+                if state.can_load() and 0 < state.load_numel < state.load_numel_total:
+                    partial.append(name)
+        if partial:
+            shown = ", ".join(repr(name) for name in partial[:3]) + (", ..." if len(partial) > 3 else "")
+            raise _error(InvalidArgument, f"update {info.version} loads only part of {len(partial)} fused layers "
+                         f"({shown}): an update sends every part of a fused layer (q, k and v; gate and up); "
+                         "those layers keep their old weights")
 
     def _abandon_reload(self) -> None:
         """Puts back the old weights of every layer the failed update did not finish (finished

@@ -19,13 +19,13 @@ NEW_TOKENS = 10
 LOGPROB_TOLERANCE = 1e-4
 
 
-def llama(seed: int) -> LlamaForCausalLM:
+def llama(seed: int, tie: bool = False) -> LlamaForCausalLM:
     """A tiny Llama (CPU attention needs a head size of 32 or more: 128 / 4) with weights of
-    `seed`."""
+    `seed`; with `tie`, its head is its input embedding."""
     torch.manual_seed(seed)
     config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=tie)
     return LlamaForCausalLM(config).float().eval()
 
 

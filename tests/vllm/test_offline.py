@@ -180,3 +180,49 @@ def test_registration_is_idempotent_and_an_untested_vllm_is_refused_with_the_ran
         backend._Refused()
     monkeypatch.setenv("TENSORBUCKET_VLLM_ANY_VERSION", "1")
     assert backend._untested_vllm() is None
+
+
+def test_a_fused_layer_sent_in_part_is_refused_and_the_engine_serves_what_it_had(llm, channel):
+    """vLLM fuses q, k and v (and gate and up) into one layer: one part alone used to be
+    processed with the others uninitialized (NaN logprobs), reported as a success."""
+    base = llama(5)
+    engine = trainer(llm, ModuleSource(base), channel)
+    engine.send_weights()
+    engine.shutdown()
+    part = llama(6).model.layers[0].self_attn.q_proj.weight.detach()
+    engine = trainer(llm, Tensors({"model.layers.0.self_attn.q_proj.weight": part}), channel)
+    with pytest.raises(Exception, match="only part of 1 fused layers .'model.layers.0.self_attn.qkv_proj'"):
+        engine.send_weights()
+    engine.shutdown()
+    same_generation(generate(llm), reference(base))
+
+
+def test_a_session_a_dead_trainer_left_open_keeps_serving(llm, channel):
+    """A trainer that dies after start_weight_update leaves the session open: the model used to
+    sit on the meta device until finish, and the engine died at its next request."""
+    base = llama(7)
+    engine = trainer(llm, ModuleSource(base), channel)
+    engine.send_weights()
+    engine.shutdown()
+    llm.start_weight_update()
+    same_generation(generate(llm), reference(base))
+    llm.finish_weight_update(None)
+    same_generation(generate(llm), reference(base))
+
+
+def test_tied_embeddings_reach_the_head(tmp_path, channel):
+    """With tied embeddings, HF's named_parameters() (ModuleSource) names the shared tensor once,
+    as the embedding; vLLM keeps its own copy of the head, which kept the old weights."""
+    from vllm import LLM
+
+    llama(0, tie=True).save_pretrained(tmp_path)
+    llm = LLM(**engine_args(tmp_path))
+    try:
+        new = llama(8, tie=True)
+        assert "lm_head.weight" not in dict(new.named_parameters())
+        engine = trainer(llm, ModuleSource(new), channel)
+        engine.send_weights()
+        engine.shutdown()
+        same_generation(generate(llm), reference(new))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
