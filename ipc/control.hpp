@@ -54,7 +54,8 @@
 namespace tensorbucket::ipc {
 
 inline constexpr std::uint32_t kControlMagic = 0x4C434254;  // "TBCL" in memory order
-inline constexpr std::uint16_t kControlLayoutVersion = 5;
+// 6: epochs count from the incarnation (epoch_base()), and a remover marks `closed` (Closed).
+inline constexpr std::uint16_t kControlLayoutVersion = 6;
 inline constexpr std::uint32_t kMaxSlots = 16;
 inline constexpr std::uint32_t kMaxConsumers = 64;
 inline constexpr std::size_t kMaxChannelName = 64;

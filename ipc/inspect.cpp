@@ -76,8 +76,11 @@ ChannelInfo inspect_channel(std::string_view channel) {
   info.producer_pid = producer.pid;
   info.producer_incarnation = ipc::atomic(control->incarnation).load(std::memory_order_relaxed);
   info.producer_pid_elsewhere = elsewhere(producer);
-  info.producer_alive = ipc::held_by_other(segment->descriptor(), ipc::kProducerLockByte);
-  info.closed = ipc::atomic(control->closed).load(std::memory_order_acquire) != 0;
+  auto closed = ipc::atomic(control->closed).load(std::memory_order_acquire);
+  // A remover holds a dead producer's byte while it removes the channel, which it marked first.
+  info.producer_alive = ipc::held_by_other(segment->descriptor(), ipc::kProducerLockByte) &&
+                        closed != static_cast<std::uint16_t>(ipc::Closed::kByRemover);
+  info.closed = closed != 0;
   info.published = ipc::atomic(control->published).load(std::memory_order_acquire);
   auto policy = ipc::atomic(control->policy).load(std::memory_order_relaxed);
   info.policy = policy == static_cast<std::uint16_t>(ipc::SlotPolicy::kBlock)    ? "block"

@@ -26,12 +26,15 @@ bool closed_by_remover(const Segment& segment) {
 }  // namespace
 
 Holder holder_of(const std::string& name, const Segment& segment) {
-  // A remover holds the producer's byte only once it found the producer dead, and marks the
-  // channel so before it removes anything. Not its own byte: every remover takes that one
-  // first, also one that then finds a live producer (a `tbucket rm` refused, a second
-  // producer of the name), and such a moment must not make the producer look dead.
+  // In this order: a remover takes its byte before the producer's and lets go of it after, so a
+  // producer's byte held, then the remover's free, means the producer's own, unless the removal
+  // ended in between (which marked the block and unlinked the name). A remover's byte held is
+  // kRemover here, where it means "look again" (an attacher polls); consumers already attached
+  // judge the producer by its byte and the remover's mark alone (see remove_if_dead()).
   if (!held_by_other(segment.descriptor(), kProducerLockByte)) return Holder::kNobody;
-  if (closed_by_remover(segment) || !segment.named(name)) return Holder::kRemover;
+  if (held_by_other(segment.descriptor(), kRemoverLockByte) || closed_by_remover(segment) || !segment.named(name)) {
+    return Holder::kRemover;
+  }
   return Holder::kProducer;
 }
 
@@ -46,7 +49,9 @@ Holder remove_if_dead(std::string_view channel, const std::string& name, const S
   if (!try_lock(stale.descriptor(), kProducerLockByte)) return Holder::kProducer;
   Locked producer{stale.descriptor(), kProducerLockByte};  // let go of before the remover's byte
   if (!stale.named(name)) return Holder::kNobody;  // removed or replaced meanwhile: not ours to remove
-  // Its consumers take this for their producer's death (holder_of()), before its names go.
+  // Its consumers take this for their producer's death, before its names go: not the
+  // remover's byte, which every remover takes first, also one that then finds a live producer
+  // (a `tbucket rm` refused, a second producer of the name).
   if (auto* control = control_of(stale)) {
     atomic(control->closed).store(static_cast<std::uint16_t>(Closed::kByRemover), std::memory_order_release);
     futex_bump_and_wake(control->consumer_wake);

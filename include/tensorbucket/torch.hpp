@@ -113,7 +113,10 @@ class StagedTensors {
 };
 // Publishes `staged`, staged against `layout`'s entries in order, as the call above does:
 // ManifestMismatch, before anything is reserved, when their count or an entry's byte length
-// differs (staged against another layout). Moves no tensor's reference count.
+// differs (staged against another layout). Moves no tensor's reference count. Also false,
+// publishing nothing, when `deadline` was interrupted by the end of the copy (its predicate,
+// asked once more before the commit: a Ctrl+C in Python); the slot written is then left
+// empty, so the bucket it held before is gone too.
 bool publish_in_place(Publisher& publisher, const BucketBuilder& layout, const StagedTensors& staged,
                       const Deadline& deadline, CudaStream stream = nullptr);
 // Checks `tensor` as entry `index` of `reservation`, whose layout's entry that is, and copies

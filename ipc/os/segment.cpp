@@ -79,13 +79,12 @@ std::optional<ObjectId> id_of(int fd) {
   return ObjectId{status.st_dev, status.st_ino};
 }
 
+// Whether `name` names the object `ours`: lstat, which needs no descriptor (a process out of
+// them must still unlink its own names) and never follows a link.
 bool same_object(std::optional<ObjectId> ours, const std::string& name) {
-  try {
-    bip::shared_memory_object named(bip::open_only, name.c_str(), bip::read_only);
-    return ours && id_of(named.get_mapping_handle().handle) == ours;
-  } catch (const bip::interprocess_exception&) {
-    return false;
-  }
+  struct stat status {};
+  return ours && ::lstat(("/dev/shm/" + name).c_str(), &status) == 0 &&
+         ObjectId{status.st_dev, status.st_ino} == *ours;
 }
 
 }  // namespace

@@ -117,9 +117,6 @@ class WorkerEngine(WeightTransferEngine[InitInfo, UpdateInfoMessage]):
         super().__init__(config, vllm_config, device, model)
         self._receiver: Optional[UpdateReceiver] = None
         self._reloading = False
-        text_config = getattr(self.model_config, "hf_text_config", None)
-        self._tied_head = (bool(getattr(text_config, "tie_word_embeddings", False))
-                           and isinstance(getattr(model, "lm_head", None), torch.nn.Module))
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         # A new trainer's channel replaces the last one once attached: a failed init leaves
@@ -174,8 +171,12 @@ class WorkerEngine(WeightTransferEngine[InitInfo, UpdateInfoMessage]):
         """model.load_weights, for one update. With tied embeddings, the embedding also loads
         into the head unless the update carries the head itself: HF's named_parameters() (vLLM's
         ModuleSource) names the shared tensor once, as the embedding, and vLLM's reload then
-        kept the head's old weights (its own copy, prepacked on CPU)."""
-        if not self._tied_head:
+        kept the head's old weights (its own copy, prepacked on CPU). Asked of the model the
+        update is for (vLLM points the engine at a draft model for a draft's updates)."""
+        text_config = getattr(self.model_config, "hf_text_config", None)
+        tied = (bool(getattr(text_config, "tie_word_embeddings", False))
+                and isinstance(getattr(self.model, "lm_head", None), torch.nn.Module))
+        if not tied:
             return self.model.load_weights
         head_loaded = False
 
