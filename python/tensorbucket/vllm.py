@@ -173,11 +173,12 @@ class WorkerEngine(WeightTransferEngine[InitInfo, UpdateInfoMessage]):
         ModuleSource) names the shared tensor once, as the embedding, and vLLM's reload then
         kept the head's old weights (its own copy, prepacked on CPU). Asked of the model the
         update is for (vLLM points the engine at a draft model for a draft's updates)."""
+        load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] = self.model.load_weights
         text_config = getattr(self.model_config, "hf_text_config", None)
         tied = (bool(getattr(text_config, "tie_word_embeddings", False))
                 and isinstance(getattr(self.model, "lm_head", None), torch.nn.Module))
         if not tied:
-            return self.model.load_weights
+            return load
         head_loaded = False
 
         def with_head(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -192,7 +193,7 @@ class WorkerEngine(WeightTransferEngine[InitInfo, UpdateInfoMessage]):
                     head_loaded = True
                     yield _TIED_HEAD, tensor
 
-        return lambda weights: self.model.load_weights(with_head(weights))
+        return lambda weights: load(with_head(weights))
 
     def _refuse_partly_loaded_fused_layers(self, info: UpdateInfo) -> None:
         """InvalidArgument when a fused layer (q, k and v; gate and up) got some of its parts:
