@@ -555,8 +555,9 @@ void StagedTensors::clear() noexcept {
   by_value_.clear();
 }
 
-bool publish_in_place(Publisher& publisher, const BucketBuilder& layout, const StagedTensors& staged,
-                      const Deadline& deadline, CudaStream stream) {
+std::optional<Reservation> write_in_place(Publisher& publisher, const BucketBuilder& layout,
+                                          const StagedTensors& staged, const Deadline& deadline,
+                                          CudaStream stream) {
   const auto& entries = layout.manifest().entries;
   if (staged.size() != entries.size()) {
     fail(ErrorCode::ManifestMismatch, "layout has ", entries.size(), " entries but ", staged.size(),
@@ -569,7 +570,7 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout, const S
     }
   }
   auto reservation = publisher.reserve(layout, deadline, stream);
-  if (!reservation) return false;
+  if (!reservation) return std::nullopt;
   auto where = publisher.location();
   reservation->write_all(staged.bytes_);
   if (!staged.by_value_.empty()) {
@@ -580,6 +581,13 @@ bool publish_in_place(Publisher& publisher, const BucketBuilder& layout, const S
     at::NoGradGuard no_grad;
     for (const auto& [i, tensor] : staged.by_value_) view_of(entries[i], spans[i], nullptr, device).copy_(tensor.detach());
   }
+  return reservation;
+}
+
+bool publish_in_place(Publisher& publisher, const BucketBuilder& layout, const StagedTensors& staged,
+                      const Deadline& deadline, CudaStream stream) {
+  auto reservation = write_in_place(publisher, layout, staged, deadline, stream);
+  if (!reservation) return false;
   // Interrupted during the copy (a Ctrl+C in Python): nothing is published, as for an
   // interrupted wait; the reservation is dropped.
   if (deadline.ask()) return false;

@@ -21,6 +21,7 @@
 #include <torch/torch.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -101,8 +102,8 @@ class StagedTensors {
   std::size_t size() const noexcept { return bytes_.size(); }
 
  private:
-  friend bool publish_in_place(Publisher&, const BucketBuilder&, const StagedTensors&, const Deadline&,
-                               CudaStream);
+  friend std::optional<Reservation> write_in_place(Publisher&, const BucketBuilder&, const StagedTensors&,
+                                                   const Deadline&, CudaStream);
   Hold hold_;
   std::vector<const void*> bytes_;     // each tensor's row-major bytes; null: copied by value
   std::vector<std::uint64_t> lengths_;  // each entry's byte_length, checked against the layout
@@ -119,6 +120,12 @@ class StagedTensors {
 // empty, so the bucket it held before is gone too.
 bool publish_in_place(Publisher& publisher, const BucketBuilder& layout, const StagedTensors& staged,
                       const Deadline& deadline, CudaStream stream = nullptr);
+// The call above short of its commit: the slot reserved and written, nullopt when none came
+// free before `deadline`. For a caller that commits under its own lock: the Python module asks
+// for signals and commits holding the GIL, which a thread of its own must take to send one.
+std::optional<Reservation> write_in_place(Publisher& publisher, const BucketBuilder& layout,
+                                          const StagedTensors& staged, const Deadline& deadline,
+                                          CudaStream stream = nullptr);
 // Checks `tensor` as entry `index` of `reservation`, whose layout's entry that is, and copies
 // it there: false, writing nothing, when it no longer fits (see fits()); ManifestMismatch when
 // `entry` is not the reservation's entry `index` (no such index, or another byte length). For

@@ -257,15 +257,22 @@ class PyPublisher {
     kept_->builder.version(version).bucket(bucket_index, bucket_count);
     auto stream = current_stream(publisher_.location());
     stop_if_closing("; nothing was published");
-    bool published = wait.run(
+    auto written = wait.run(
         [&](const Deadline& deadline) {
-          return torch_bridge::publish_in_place(publisher_, kept_->builder, staged_, deadline, stream);
+          return torch_bridge::write_in_place(publisher_, kept_->builder, staged_, deadline, stream);
         },
         &turn_.closing);
-    if (!published) {
+    if (!written) {
       stop_if_closing("; nothing was published");
       throw no_slot("", "; nothing was published");
     }
+    // Asked and committed holding the GIL, which a thread of this process needs to send a
+    // signal: one that its handler raised (Ctrl+C) came during the copy, and nothing is
+    // published, or comes after this call. Without the GIL, one sent during the commit would
+    // be raised as the call returns, the bucket published. A signal from outside may still come
+    // in the microseconds left, as for any call; `published` tells.
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    written->commit(Reservation::HandoverFrom::Reserve);
     published_ = publisher_.published();
   }
 
