@@ -103,6 +103,8 @@ void ServerDoor::got(std::size_t count) {
   if (proof.version != kProtocolVersion) {
     return refuse(Refusal::Other, text::message("protocol version ", proof.version, ", not ", kProtocolVersion));
   }
+  // Refused, as in the header: a later version may give it a meaning an older serve must not ignore.
+  if (proof.reserved != 0) return refuse(Refusal::Other, "the proof's reserved field is not zero");
   if (!same_digest(proof.proof, client_proof(token_, nonce_, key_))) {
     wrong_token_ = true;
     return refuse(Refusal::WrongToken, "wrong token");

@@ -9,6 +9,7 @@
 #include "tensorbucket/error.hpp"
 #include "tensorbucket/header.hpp"
 #include "tensorbucket/net.hpp"
+#include "ucx.hpp"
 
 namespace tensorbucket::net {
 namespace detail {
@@ -171,7 +172,7 @@ struct RelayState {
     // refusal comes before the server proved anything), and it must not end the relay.
     bool unauthorized = e.code() == ErrorCode::Unauthorized;
     if ((unauthorized && !connected_once) || e.code() == ErrorCode::InvalidArgument ||
-        e.code() == ErrorCode::ChannelMissing) {
+        e.code() == ErrorCode::ChannelMissing || dynamic_cast<const detail::UcxUnusable*>(&e) != nullptr) {
       throw;
     }
     if (!connected_once && e.code() != ErrorCode::NetworkError) throw;

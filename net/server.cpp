@@ -40,6 +40,7 @@ constexpr std::size_t kMaxPending = 8;   // connections at the front door
 constexpr int kAcceptsPerTurn = 64;      // connections taken off the listening socket per look
 constexpr auto kHeartbeatEvery = 500ms;  // to an idle peer, so that it can tell a dead link
 constexpr auto kRefusalGrace = 1s;       // for a refusal to reach its peer before the connection closes
+constexpr auto kListeningEvery = 200ms;  // UCX's listening sockets looked at
 constexpr auto kLocalSlice = 1ms;        // a wait on the local channel, between network looks
 // A relay turned away retries every 2 s, and anyone who can reach the port can connect: one
 // line per this long, with a count of the ones it passed over, keeps the log readable. So for
@@ -199,6 +200,7 @@ struct ServerState {
   std::vector<std::byte> worker_address;  // sent to each relay let in
   std::list<Door> doors;
   Clock::time_point doors_looked_at{};
+  Clock::time_point listening_looked_at{};  // UCX's own listening sockets (Worker::check_listening)
   std::list<Peer> peers;                  // a list: peers keep their addresses
   QuietLog turned_away{kTurnedAwayLogEvery};
   QuietLog refused{kRefusedLogEvery};
@@ -343,7 +345,10 @@ struct ServerState {
       let_in(entry);
       if (door.state() != ServerDoor::State::Closing) return false;
     } else if (door.state() != ServerDoor::State::Closing && now >= entry.due) {
-      door.refuse(Refusal::Other, message("no proof of the token within ", kProofTimeout.count(), " s"));
+      // The relay proved the token but sent no worker address: told so, not that it proved nothing.
+      door.refuse(Refusal::Other, door.state() == ServerDoor::State::Addressing
+                                      ? message("no worker address within ", kProofTimeout.count(), " s (the token was proved)")
+                                      : message("no proof of the token within ", kProofTimeout.count(), " s"));
     }
     while (!door.output().empty()) {
       auto out = door.output();
@@ -578,6 +583,12 @@ struct ServerState {
     // The front door, once per kLocalSlice: a transfer's turns come back to back.
     if (auto looked = Clock::now(); looked - doors_looked_at >= kLocalSlice) {
       doors_looked_at = looked;
+      if (looked - listening_looked_at >= kListeningEvery) {
+        // serve's one worker for life: a listener UCX closed leaves every relay let in unable
+        // to reach it, while serve looked alive. Ended instead, for a supervisor to restart.
+        listening_looked_at = looked;
+        worker.check_listening();
+      }
       open_doors();
       tend_doors();
     }

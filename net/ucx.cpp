@@ -2,8 +2,14 @@
 
 #include <dlfcn.h>
 #include <link.h>
+#include <netinet/in.h>
 #include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 
+#include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -137,16 +143,55 @@ std::string rdma_ports() {
   return ports;
 }
 
+// This process's listening TCP sockets, as (descriptor, inode, port).
+template <class Listening>
+std::vector<Listening> listening_sockets() {
+  std::vector<Listening> found;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd", error)) {
+    int fd = -1;
+    const auto name = entry.path().filename().string();
+    if (std::from_chars(name.data(), name.data() + name.size(), fd).ec != std::errc{}) continue;
+    struct stat status{};
+    int accepting = 0;
+    socklen_t length = sizeof accepting;
+    sockaddr_storage address{};
+    socklen_t address_length = sizeof address;
+    if (::fstat(fd, &status) != 0 || !S_ISSOCK(status.st_mode) ||
+        ::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &length) != 0 || accepting == 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &address_length) != 0) {
+      continue;
+    }
+    std::uint16_t port = 0;
+    if (address.ss_family == AF_INET) port = ntohs(reinterpret_cast<const sockaddr_in&>(address).sin_port);
+    else if (address.ss_family == AF_INET6) port = ntohs(reinterpret_cast<const sockaddr_in6&>(address).sin6_port);
+    else continue;
+    found.push_back({fd, status.st_ino, port});
+  }
+  return found;
+}
+
+// UCX refused to make a worker: UcxUnusable.
+[[noreturn]] void unusable(std::string_view what, ucs_status_t status) {
+  throw UcxUnusable(ErrorCode::NetworkError,
+                    text::message(what, ": ", ucx().status_string(status), " (UCX in this process makes no worker)"));
+}
+
 }  // namespace
 
 Worker::Worker(const std::string& interface, sa_family_t family) {
+  try {
+    ucx();
+  } catch (const Error& e) {
+    throw UcxUnusable(e.code(), e.what());  // not found, or too old: so it stays
+  }
   ucp_config_t* config = nullptr;
-  if (auto status = ucx().config_read(nullptr, nullptr, &config); status != UCS_OK) fail_ucx("ucp_config_read", status);
+  if (auto status = ucx().config_read(nullptr, nullptr, &config); status != UCS_OK) unusable("ucp_config_read", status);
   // One setting of ours in the configuration, or the configuration let go of and NetworkError.
   auto set = [&](const char* name, const char* value, std::string_view what) {
     if (auto status = ucx().config_modify(config, name, value); status != UCS_OK) {
       ucx().config_release(config);
-      fail_ucx(what, status);
+      unusable(what, status);
     }
   };
   // Unless the user named the devices: in the environment (even "all"), or in a ucx.conf. A
@@ -166,18 +211,24 @@ Worker::Worker(const std::string& interface, sa_family_t family) {
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
   auto status = ucx().init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &context_);
   ucx().config_release(config);
-  if (status != UCS_OK) fail_ucx("ucp_init", status);
+  if (status != UCS_OK) unusable("ucp_init", status);
   ucp_worker_params_t worker_params{};
   worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;
+  auto listening_before = listening_sockets<Listening>();
   if (status = ucx().worker_create(context_, &worker_params, &worker_); status != UCS_OK) {
     ucx().cleanup(context_);
-    fail_ucx("ucp_worker_create", status);
+    unusable("ucp_worker_create", status);
+  }
+  for (const auto& socket : listening_sockets<Listening>()) {
+    bool before = std::any_of(listening_before.begin(), listening_before.end(),
+                              [&](const Listening& old) { return old.inode == socket.inode; });
+    if (!before) listening_.push_back(socket);
   }
   if (status = ucx().worker_get_efd(worker_, &event_fd_); status != UCS_OK) {
     ucx().worker_destroy(worker_);
     ucx().cleanup(context_);
-    fail_ucx("ucp_worker_get_efd", status);
+    unusable("ucp_worker_get_efd", status);
   }
 }
 
@@ -208,6 +259,29 @@ std::vector<std::byte> Worker::address() const {
          kMaxWorkerAddress);
   }
   return address;
+}
+
+void Worker::check_listening() const {
+  for (const auto& socket : listening_) {
+    struct stat status{};
+    int accepting = 0;
+    socklen_t length = sizeof accepting;
+    if (::fstat(socket.fd, &status) == 0 && status.st_ino == socket.inode &&
+        ::getsockopt(socket.fd, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &length) == 0 && accepting != 0) {
+      continue;
+    }
+    rlimit limit{};
+    ::getrlimit(RLIMIT_NOFILE, &limit);
+    std::error_code error;
+    auto open = std::distance(std::filesystem::directory_iterator("/proc/self/fd", error),
+                              std::filesystem::directory_iterator());
+    throw UcxUnusable(ErrorCode::NetworkError,
+                      text::message("UCX closed its listening socket (port ", socket.port,
+                                    "): an accept there failed, as when this process is out of descriptors (",
+                                    open, " open, the limit ", limit.rlim_cur,
+                                    "), which connections to that port that never send hold one each; "
+                                    "no peer can reach this process's UCX any more"));
+  }
 }
 
 bool Worker::progress() noexcept {

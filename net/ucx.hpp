@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "socket.hpp"
+#include "tensorbucket/error.hpp"
 
 namespace tensorbucket::net::detail {
 
@@ -54,6 +55,14 @@ const Ucx& ucx();
 // NetworkError naming the UCX call and its status.
 [[noreturn]] void fail_ucx(std::string_view what, ucs_status_t status);
 
+// NetworkError that trying again in this process cannot mend: UCX cannot make a worker (UCX
+// 1.22, once it closed a listening socket, refuses every later one with "Element already
+// exists"), or closed the one a worker listens on. A relay ends on it instead of reconnecting
+// for ever; a supervisor's restart mends it.
+struct UcxUnusable : Error {
+  using Error::Error;
+};
+
 class Worker {
  public:
   // UCX opens listening sockets of its own for its TCP transport, by default on every network
@@ -83,12 +92,23 @@ class Worker {
   // Sleeps until the network has something for this worker, `limit` at most. UCX's wake-up
   // event does not fire for every transport (not for shared memory): callers keep it short.
   void wait(std::chrono::microseconds limit);
+  // UcxUnusable once UCX closed a listening socket it opened for this worker. Its TCP
+  // transport keeps each connection accepted there until the peer speaks, without a limit,
+  // and closes the socket for good when an accept fails (the process out of descriptors):
+  // no peer reaches the worker after that, and nothing else says so.
+  void check_listening() const;
 
  private:
+  struct Listening {
+    int fd;
+    ino_t inode;
+    std::uint16_t port;
+  };
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   int event_fd_ = -1;
   int progress_calls_ = kProgressCalls;
+  std::vector<Listening> listening_;  // UCX's listening sockets, found as the worker was made
 };
 
 // The pause between a transfer's progress calls (it moves only in them, in this thread): none

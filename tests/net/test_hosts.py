@@ -4,6 +4,8 @@ between them, `tbucket serve` on one and `tbucket relay` on the other (docs/netw
 Needs root (the namespaces) and the network build of tbucket (TBUCKET names it); skipped
 otherwise. Shared memory is the machine's, so the hosts' channels have different names."""
 import collections
+import hashlib
+import hmac
 import itertools
 import json
 import os
@@ -475,6 +477,11 @@ def test_device_channels_are_served_and_relayed_through_host_memory(same_host, r
 
 def listening_addresses(pid):
     """The addresses process `pid` listens on with TCP (from /proc: no tool needed)."""
+    return {address for address, _ in listening_sockets(pid)}
+
+
+def listening_sockets(pid):
+    """The (address, port) pairs process `pid` listens on with TCP."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
@@ -492,7 +499,8 @@ def listening_addresses(pid):
                 raw = bytes.fromhex(local.split(":")[0])
                 # The kernel prints each 32-bit word in host order (little-endian here).
                 address = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-                addresses.add(socket.inet_ntop(socket.AF_INET if len(address) == 4 else socket.AF_INET6, address))
+                addresses.add((socket.inet_ntop(socket.AF_INET if len(address) == 4 else socket.AF_INET6, address),
+                               int(local.split(":")[1], 16)))
     return addresses
 
 
@@ -567,6 +575,37 @@ def test_connections_that_never_prove_the_token_are_capped_and_refused(same_host
     assert len(buckets(h, "server")) == count
 
 
+def proof_for(token, challenge_body):
+    """A relay's proof of `token` for serve's challenge (net/token.cpp)."""
+    key, nonce = struct.unpack_from("<Q", challenge_body, 16)[0], challenge_body[24:56]
+    return hmac.new(token, b"tensorbucket peer proof" + nonce + struct.pack("<Q", key), hashlib.sha256).digest()
+
+
+def test_a_proof_with_its_reserved_field_set_is_refused_and_a_proved_relay_is_told_what_it_did_not_send(same_host):
+    """The right token's proof with the reserved field set is refused (a later version may give
+    it a meaning); one that proves the token and then sends no worker address is told that,
+    not that it proved nothing."""
+    h, port = same_host, 17035
+    h.trainer(interval_ms=5)
+    serve = h.serve(f"127.0.0.1:{port}")
+    wait_for(lambda: "on 127.0.0.1" in h.text("serve"), 30, "serve to listen")
+    token = h.token.read_bytes()
+    for reserved, kinds, said in ((7, [REFUSED], b"\x02the proof's reserved field is not zero"),
+                                  (0, [WELCOME, ADDRESS, REFUSED], b"\x02no worker address within 3 s (the token was proved)")):
+        link = socket.create_connection(("127.0.0.1", port), timeout=5)
+        challenge_body = b""
+        while len(challenge_body) < 8 + 56:
+            challenge_body += link.recv(8 + 56 - len(challenge_body))
+        assert challenge_body[0] == CHALLENGE
+        body = MAGIC + struct.pack("<II", PROTOCOL, reserved) + proof_for(token, challenge_body[8:]) + os.urandom(32)
+        link.sendall(door_message(PROOF, body))
+        messages = door_messages(link, 10)
+        link.close()
+        assert [kind for kind, _ in messages] == kinds, messages
+        assert messages[-1][1] == said, messages
+    assert stopped_cleanly(serve), h.text("serve")
+
+
 def test_idle_connections_are_not_held(same_host):
     """500 connections that never send: serve holds 8 of them at most, each 3 s at most, turns
     the rest away at once, does not spin meanwhile, and then serves a relay."""
@@ -626,6 +665,63 @@ def test_a_server_out_of_descriptors_turns_connections_away_and_serves_again(sam
     assert len(buckets(h, "server")) == count
     assert "away: out of descriptors" in h.text("serve")
     assert stopped_cleanly(serve), h.text("serve")
+
+
+def hold_ucx_ports(pid, door_port, count):
+    """COUNT connections that never send to the TCP ports UCX listens on in process `pid` (all
+    but its front door), as many as it accepts."""
+    ports = {port for _, port in listening_sockets(pid)} - {door_port}
+    assert ports, "UCX listens on no port of its own"
+    links = []
+    for port in sorted(ports):
+        for _ in range(count):
+            try:
+                links.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            except OSError:  # refused: the port is closed
+                break
+    return links
+
+
+def test_a_serve_whose_ucx_port_ran_out_of_descriptors_ends_saying_why(same_host):
+    """UCX holds each connection to its own listening port until the peer speaks, and closes
+    the port for good when an accept fails for want of descriptors: serve then let relays in
+    that could never reach it, and looked alive. It ends instead (status 8, saying why), for a
+    supervisor to restart; UCX's log is on stderr, not on stdout."""
+    h, port, limit = same_host, 17029, 96
+    h.trainer(interval_ms=5)
+    serve = h.run("serve", "prlimit", f"--nofile={limit}:{limit}", TBUCKET, "serve", "--channel", h.up, "--listen",
+                  f"127.0.0.1:{port}", "--token-file", str(h.token))
+    wait_for(lambda: "on 127.0.0.1" in h.text("serve"), 30, "serve to listen")
+    links = hold_ucx_ports(serve.pid, port, limit + 16)
+    try:
+        assert serve.wait(timeout=30) == 8, h.text("serve")
+    finally:
+        for link in links:
+            link.close()
+    assert "NetworkError: UCX closed its listening socket" in h.text("serve")
+    assert "out of descriptors" in h.text("serve")
+    assert (h.dir / "serve.out").read_text() == "", "UCX's log went to stdout"
+
+
+def test_a_relay_whose_ucx_cannot_make_a_worker_any_more_ends_saying_why(same_host):
+    """The same on the relay's side: once UCX closed its port, every worker it makes later in
+    that process is refused ("Element already exists", UCX 1.22), and the relay used to try
+    again every 2 s for ever. It ends (status 8) at the next link instead."""
+    h, port, limit = same_host, 17031, 96
+    h.trainer(interval_ms=5)
+    serve = h.serve(f"127.0.0.1:{port}")
+    wait_for(lambda: "on 127.0.0.1" in h.text("serve"), 30, "serve to listen")
+    relay = h.run("relay", "prlimit", f"--nofile={limit}:{limit}", TBUCKET, "relay", "--connect",
+                  f"127.0.0.1:{port}", "--channel", h.up, "--as", h.down, "--token-file", str(h.token))
+    wait_for(lambda: "connected to" in h.text("relay"), 30, "the relay to connect")
+    links = hold_ucx_ports(relay.pid, -1, limit + 16)
+    try:
+        assert stopped_cleanly(serve), h.text("serve")  # the link ends: the relay makes a new worker
+        assert relay.wait(timeout=30) == 8, h.text("relay")
+    finally:
+        for link in links:
+            link.close()
+    assert "NetworkError: ucp_worker_create" in h.text("relay")
 
 
 def test_relays_proving_the_token_together_get_max_peers_places(same_host):
