@@ -117,15 +117,16 @@ class File {
   // saving its next checkpoint over it) differs in size, mtime or ctime (which a write moves
   // too, and so does a `touch` that sets mtime back). A rename over its name, the usual way to
   // save a file whole, moves the old file's ctime too, but drops its link count and leaves its
-  // bytes as they were: that is no change of the file read.
+  // bytes as they were: that is no change of the file read. A link added moves ctime too, and
+  // is no excuse: a rewrite may have come with it.
   struct Version {
     std::uint64_t size;
     timespec modified, changed;
     nlink_t links;
-    bool operator==(const Version& other) const {
+    bool unchanged_since(const Version& before) const {
       auto same = [](timespec a, timespec b) { return a.tv_sec == b.tv_sec && a.tv_nsec == b.tv_nsec; };
-      return size == other.size && same(modified, other.modified) &&
-             (same(changed, other.changed) || links != other.links);
+      return size == before.size && same(modified, before.modified) &&
+             (same(changed, before.changed) || links < before.links);
     }
   };
   Version version() const {
@@ -182,20 +183,35 @@ class File {
   mode_t created_mode_ = 0;
 };
 
-FileHeader read_header(const File& file, const std::string& path) {
-  auto file_bytes = file.size();
+// The header's bytes, its 8-byte length first: what the length says when it is within the
+// limits and the file, else those 8 alone (parse_header() refuses them, before anything is
+// allocated).
+std::vector<std::byte> header_bytes(const File& file, std::uint64_t file_bytes) {
   std::vector<std::byte> head(std::min<std::uint64_t>(8, file_bytes));
   file.read_at(head, 0);
   if (file_bytes >= 8) {
     std::uint64_t length = 0;
     for (int i = 7; i >= 0; --i) length = length << 8 | static_cast<std::uint8_t>(head[i]);
-    // A length past the limits is parse_header()'s to refuse, before anything is allocated.
     if (length <= kMaxHeaderBytes && length <= file_bytes - 8) {
       head.resize(8 + length);
       file.read_at(std::span(head).subspan(8), 8);
     }
   }
+  return head;
+}
+
+FileHeader read_header(const File& file, const std::string& path, std::uint64_t* hash = nullptr) {
+  auto file_bytes = file.size();
+  auto head = header_bytes(file, file_bytes);
+  if (hash != nullptr) *hash = xxh3(head);
   return parse_header(head, file_bytes, path);
+}
+
+// InvalidArgument for a path the system would cut short at its NUL byte (Python passes one on).
+void check_path(const std::string& path) {
+  if (path.find('\0') != std::string::npos) {
+    fail(ErrorCode::InvalidArgument, "the path ", Quoted{path}, " holds a NUL byte");
+  }
 }
 
 // One bucket of a file: the range of its tensors (file order) in the header.
@@ -252,9 +268,43 @@ std::optional<Reservation> reserve(Publisher& publisher, const BucketBuilder& la
   return publisher.reserve(layout, Deadline::after(options.timeout).unless(options.interrupted));
 }
 
+// The file save() replaces for `path`: `path` itself when it is a regular file or names
+// nothing; through a symbolic link, the file it leads to (as writing through it would), kept
+// in place. InvalidArgument for anything else: renaming a file over a FIFO, a device
+// (/dev/stdout leads to one) or a folder would replace that with a private copy of weights.
+std::string save_target(const std::string& path) {
+  struct stat named {};
+  if (::lstat(path.c_str(), &named) != 0) {
+    if (errno == ENOENT) return path;  // a new file (a missing folder fails as it is made)
+    fail_errno("cannot stat", path);
+  }
+  std::string target = path;
+  if (S_ISLNK(named.st_mode)) {
+    std::error_code error;
+    auto resolved = std::filesystem::canonical(path, error);
+    if (error) {
+      fail(ErrorCode::InvalidArgument, "cannot save to ", path, ": a symbolic link that leads to no file (",
+           error.message(), "); save writes a safetensors file whole, renamed into place");
+    }
+    target = resolved.string();
+    if (::lstat(target.c_str(), &named) != 0) fail_errno("cannot stat", target);
+  }
+  if (!S_ISREG(named.st_mode)) {
+    const char* kind = S_ISDIR(named.st_mode)                             ? "a folder"
+                       : S_ISFIFO(named.st_mode)                          ? "a FIFO"
+                       : S_ISCHR(named.st_mode) || S_ISBLK(named.st_mode) ? "a device"
+                       : S_ISSOCK(named.st_mode)                          ? "a socket"
+                                                                          : "not a regular file";
+    fail(ErrorCode::InvalidArgument, "cannot save to ", path, (target != path ? " (" + target + ")" : std::string()),
+         ": it is ", kind, "; save writes a safetensors file whole, renamed into place");
+  }
+  return target;
+}
+
 }  // namespace
 
 FileHeader read_header(const std::string& path) {
+  check_path(path);
   File file(path);
   return read_header(file, path);
 }
@@ -262,14 +312,16 @@ FileHeader read_header(const std::string& path) {
 FilePublish publish_files(Publisher& publisher, std::span<const std::string> paths, const PublishFileOptions& options) {
   if (paths.empty()) throw Error(ErrorCode::InvalidArgument, "publish_files needs at least one file");
   // Every header first: a bad file publishes nothing.
+  for (const auto& path : paths) check_path(path);
   std::vector<std::unique_ptr<File>> files;
   std::vector<File::Version> versions;  // as each header was read
+  std::vector<std::uint64_t> header_hashes;  // of each header's bytes
   std::vector<FileHeader> headers;
   std::vector<Part> parts;
   for (std::size_t i = 0; i < paths.size(); ++i) {
     files.push_back(std::make_unique<File>(paths[i]));
     versions.push_back(files.back()->version());
-    headers.push_back(read_header(*files.back(), paths[i]));
+    headers.push_back(read_header(*files.back(), paths[i], &header_hashes.emplace_back()));
     split(i, headers.back(), options.bucket_bytes, parts);
   }
   if (parts.size() > UINT32_MAX) throw Error(ErrorCode::InvalidArgument, "more buckets than an update can count");
@@ -297,9 +349,11 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
   std::vector<std::byte> staging;  // a device channel's: one tensor at a time
   bool on_host = publisher.location().on_host();
   // A file whose writes through a mapping version() cannot see is checked by its bytes: each
-  // piece hashed as it lands, then read and hashed again once the bucket is read. A piece that
-  // changed in between fails the bucket. Pieces of 1 MiB there, so that both hashes read
-  // from the cache (and the second read is from memory: tmpfs is memory).
+  // piece hashed as it lands, then read and hashed again once the bucket is read, and its
+  // header read again. A piece or header that changed in between fails the bucket. Pieces of
+  // 1 MiB there, so that both hashes read from the cache (and the second read is from
+  // memory: tmpfs is memory). A tensor's bytes changed so before its bucket's first read are
+  // not seen (docs/safetensors.md).
   constexpr std::uint64_t kHashedPiece = 1 << 20;
   std::vector<bool> reread(files.size());
   for (std::size_t i = 0; i < files.size(); ++i) reread[i] = files[i]->undated_writes();
@@ -332,11 +386,15 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
       }
       if (!on_host && !span.empty()) reservation->write(i - part.first, staging.data());  // pageable: taken on return
     }
-    if (!(file.version() == versions[part.file])) {
+    if (!file.version().unchanged_since(versions[part.file])) {
       fail(ErrorCode::SystemError, file.path(), " changed while it was read (size or modification time); "
                                                 "nothing more of this update was published");
     }
     if (reread[part.file]) {
+      if (xxh3(header_bytes(file, file.size())) != header_hashes[part.file]) {
+        fail(ErrorCode::SystemError, file.path(), " changed while it was read (its header, written through a mapping, "
+                                                  "which tmpfs does not date); nothing more of this update was published");
+      }
       auto hash = piece_hashes.begin();
       for (auto i = part.first; i < part.last; ++i) {
         const auto& tensor = header.tensors[i];
@@ -361,6 +419,8 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
 
 void save(std::span<const BucketView* const> buckets, const std::string& path) {
   if (buckets.empty()) throw Error(ErrorCode::InvalidArgument, "save needs at least one bucket");
+  check_path(path);
+  auto target = save_target(path);
   const auto& first = *buckets.front();
   for (const auto* bucket : buckets) {
     if (!bucket->location().on_host()) {
@@ -409,7 +469,7 @@ void save(std::span<const BucketView* const> buckets, const std::string& path) {
   // sees half a file, and a kill while writing leaves none.
   // Its mode is the file's it replaces (weights kept private stay so), or what the umask leaves
   // of 0666, as for any new file.
-  File file(path, File::Beside{});
+  File file(target, File::Beside{});
   try {
     file.write_all(length);
     file.write_all(std::as_bytes(std::span(json)));
@@ -417,10 +477,11 @@ void save(std::span<const BucketView* const> buckets, const std::string& path) {
       for (std::size_t i = 0; i < bucket->size(); ++i) file.write_all((*bucket)[i].bytes);
     }
     struct stat replaced {};
-    auto mode = ::stat(path.c_str(), &replaced) == 0 ? replaced.st_mode & 07777 : file.created_mode();
+    auto mode = ::lstat(target.c_str(), &replaced) == 0 && S_ISREG(replaced.st_mode) ? replaced.st_mode & 07777
+                                                                                        : file.created_mode();
     if (::fchmod(file.descriptor(), mode) != 0) fail_errno("cannot set the mode of", file.path());
     file.sync();
-    file.place(path);
+    file.place(target);
   } catch (...) {
     file.discard();
     throw;

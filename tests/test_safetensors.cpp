@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -347,6 +348,100 @@ TEST(SafetensorsFile, ASaveKeepsTheModeItReplacesOrHonoursTheUmaskWhateverTheNam
   EXPECT_EQ(dir.files(), 3u);  // and no temporary file left
 }
 
+// save() replaces a file whole by renaming one over it: through a symbolic link, the file the
+// link leads to (the link stays); a FIFO, a device (where /dev/stdout leads) or a folder would
+// be replaced by a private copy of the weights, and is refused. A path with a NUL byte, which
+// the system would cut short there, is refused too.
+TEST(SafetensorsFile, ASaveWritesThroughALinkAndRefusesWhatIsNotARegularFile) {
+  TempDir dir;
+  BucketBuilder builder;
+  std::vector<std::byte> bytes(16, std::byte{3});
+  builder.add("w", DType::U8, {16}, bytes.data());
+  auto packed = builder.pack();
+  auto view = BucketView::open(packed.frame, packed.payload.span());
+  const BucketView* one[] = {&view};
+  write_file(dir / "target.safetensors", file_of("{}", 0));
+  ::chmod((dir / "target.safetensors").c_str(), 0640);
+  std::filesystem::create_symlink("target.safetensors", dir / "link.safetensors");
+  st::save(one, dir / "link.safetensors");
+  EXPECT_TRUE(std::filesystem::is_symlink(dir / "link.safetensors"));
+  EXPECT_EQ(st::read_header(dir / "target.safetensors").tensors.size(), 1u);
+  struct stat status {};
+  ASSERT_EQ(::stat((dir / "target.safetensors").c_str(), &status), 0);
+  EXPECT_EQ(status.st_mode & 07777, 0640u);
+
+  ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0600), 0);
+  std::filesystem::create_symlink("/dev/null", dir / "null");
+  std::filesystem::create_symlink("missing", dir / "dangling");
+  std::filesystem::create_directory(dir / "folder");
+  for (const char* name : {"fifo", "null", "dangling", "folder"}) {
+    try {
+      st::save(one, dir / name);
+      FAIL() << name;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::InvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find("cannot save to"), std::string::npos) << e.what();
+    }
+  }
+  ASSERT_EQ(::lstat((dir / "fifo").c_str(), &status), 0);
+  EXPECT_TRUE(S_ISFIFO(status.st_mode));
+  EXPECT_TRUE(std::filesystem::is_symlink(dir / "null"));
+  EXPECT_TRUE(std::filesystem::is_directory(dir / "folder"));
+
+  auto cut = (dir / "target.safetensors") + std::string(1, '\0') + ".bak";
+  for (auto attempt : std::initializer_list<std::function<void()>>{
+           [&] { st::save(one, cut); }, [&] { st::read_header(cut); },
+           [&] {
+             auto publisher = Publisher::create(channel_name("nul"), {.min_consumers = 0});
+             std::vector<std::string> paths = {cut};
+             st::publish_files(publisher, paths, {});
+           }}) {
+    try {
+      attempt();
+      FAIL();
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::InvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find("NUL"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(dir.files(), 6u);  // and no temporary file left
+}
+
+// A rewrite in place that keeps the size and the modification time still moves ctime; a hard
+// link added with it used to excuse that (only a link dropped, by a rename over the name, may).
+TEST(SafetensorsFile, AFileRewrittenInPlaceAsALinkIsAddedIsNotPublished) {
+  TempDir dir;
+  auto path = dir / "w.safetensors";
+  write_file(path, file_of("{\"a\":" + tensor("U8", "[64]", 0, 64) + "}", 64));
+  auto publisher = Publisher::create(channel_name("linked"), {.slots = 2, .min_consumers = 0});
+  std::vector<std::string> paths = {path};
+  bool rewritten = false;
+  auto rewrite = [&] {
+    if (!rewritten) {
+      struct stat before {};
+      EXPECT_EQ(::stat(path.c_str(), &before), 0);
+      int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+      std::byte seven{7};
+      EXPECT_EQ(::pwrite(fd, &seven, 1, static_cast<off_t>(before.st_size - 1)), 1);
+      timespec times[2] = {before.st_atim, before.st_mtim};
+      EXPECT_EQ(::futimens(fd, times), 0);  // rsync --inplace -t: the time put back
+      ::close(fd);
+      std::filesystem::create_hard_link(path, dir / "kept.safetensors");
+      rewritten = true;
+    }
+    return false;
+  };
+  try {
+    st::publish_files(publisher, paths, {.interrupted = rewrite});
+    FAIL() << "published a file rewritten meanwhile";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::SystemError);
+    EXPECT_NE(std::string(e.what()).find("changed while it was read"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(rewritten);
+  EXPECT_EQ(publisher.published(), 0u);
+}
+
 TEST(SafetensorsFile, AFileOnTmpfsWrittenThroughAMappingWhileItIsReadIsNotPublished) {
   // /dev/shm is tmpfs, which dates no write made through a shared mapping: the size and times
   // stay as they were, and only the bytes tell.
@@ -391,6 +486,26 @@ TEST(SafetensorsFile, AFileOnTmpfsWrittenThroughAMappingWhileItIsReadIsNotPublis
 
   // Unchanged, it is published.
   EXPECT_EQ(st::publish_files(publisher, paths, {}).published, 1u);
+
+  // Its header changed so (a dtype, its tensors' bytes as they were): read again, and the
+  // bucket fails. Its bytes alone read the same twice.
+  auto header = std::string_view(reinterpret_cast<const char*>(mapped) + 8, size - 8 - 128);
+  auto dtype = header.find("\"U8\"");
+  ASSERT_NE(dtype, std::string_view::npos);
+  bool retyped = false;
+  auto retype = [&] {
+    if (!retyped) mapped[8 + dtype + 1] = std::byte{'I'};  // "I8"
+    retyped = true;
+    return false;
+  };
+  try {
+    st::publish_files(publisher, paths, {.interrupted = retype});
+    FAIL() << "published a file whose header changed meanwhile";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::SystemError);
+    EXPECT_NE(std::string(e.what()).find("changed while it was read (its header"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(publisher.published(), 1u);
   ::munmap(mapped, size);
 }
 

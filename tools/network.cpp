@@ -1,9 +1,6 @@
 // `tbucket serve` and `tbucket relay`: a channel exported to the network, and received into a
 // local channel on another host (include/tensorbucket/net.hpp, docs/network.md).
-#include <sys/resource.h>
-
 #include <algorithm>
-#include <cstdlib>
 #include <cstdio>
 #include <optional>
 
@@ -13,28 +10,8 @@
 
 namespace tensorbucket::cli {
 
-namespace {
-
-// Before UCX loads (with the first worker). Its log goes to stderr beside tbucket's own lines,
-// not to stdout, which relay's summary is on. And the descriptors go up to the hard limit:
-// UCX's TCP transport holds each connection to its own port until the peer speaks, and once
-// the process is out of descriptors it closes that port for good (serve then ends, status 8),
-// so the soft limit's usual 1024 is what an attacker would need to open.
-void ready_for_the_network() {
-  ::setenv("UCX_LOG_FILE", "stderr", 0);
-  rlimit limit{};
-  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
-  auto most = std::min<rlim_t>(limit.rlim_max, rlim_t{1} << 20);
-  if (most <= limit.rlim_cur) return;
-  limit.rlim_cur = most;
-  ::setrlimit(RLIMIT_NOFILE, &limit);  // a limit that stays as it was is no error
-}
-
-}  // namespace
-
 int run_serve(const ServeCommandOptions& options) {
   install_stop_handlers();
-  ready_for_the_network();
   net::ServeOptions serve{.listen = options.listen,
                           .token = net::read_token_file(options.token_file),
                           .peer_timeout = std::chrono::milliseconds(options.peer_timeout_ms),
@@ -52,7 +29,6 @@ int run_serve(const ServeCommandOptions& options) {
 
 int run_relay(const RelayOptions& options) {
   install_stop_handlers();
-  ready_for_the_network();
   auto timeout = as_timeout(options.timeout_ms);
   net::RelayOptions relay_options{
       .connect = options.connect,

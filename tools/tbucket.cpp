@@ -1,8 +1,11 @@
 // tbucket: the command-line face of tensorbucket. Each subcommand lives in its own file and
 // returns an exit status from exit_codes.hpp; errors print one line to stderr.
 #include <CLI/CLI.hpp>
+#include <sys/resource.h>
 
+#include <algorithm>
 #include <charconv>
+#include <cstdlib>
 #include <cstdio>
 #include <limits>
 #include <string>
@@ -55,10 +58,26 @@ void add_channel_options(CLI::App& command, tensorbucket::cli::ChannelOptions& c
   command.add_option("--device", channel.device, whose + "Where the payloads live: host, cuda, cuda:N");
 }
 
+// Every descriptor the hard limit allows (up to 2^20): `publish-file` holds each of its files
+// open to the end, and a model's shards may pass the usual soft limit of 1024; serve and relay
+// need them most, as UCX's TCP transport holds each connection to its own port until the peer
+// speaks, and closes that port for good once the process is out of them (docs/network.md).
+// And UCX's log on stderr, beside tbucket's own lines, not on stdout (relay's summary).
+void ready_the_process() {
+  ::setenv("UCX_LOG_FILE", "stderr", 0);
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  auto most = std::min<rlim_t>(limit.rlim_max, rlim_t{1} << 20);
+  if (most <= limit.rlim_cur) return;
+  limit.rlim_cur = most;
+  ::setrlimit(RLIMIT_NOFILE, &limit);  // a limit left as it was is no error
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   using namespace tensorbucket;
+  ready_the_process();
   CLI::App app{"tbucket: move named tensors between processes as verified zero-copy buckets"};
   app.set_version_flag("--version", "tbucket " TENSORBUCKET_VERSION);
   app.require_subcommand(1);
