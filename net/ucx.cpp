@@ -171,27 +171,26 @@ std::vector<Listening> listening_sockets() {
   return found;
 }
 
-// UCX refused to make a worker: UcxUnusable.
-[[noreturn]] void unusable(std::string_view what, ucs_status_t status) {
-  throw UcxUnusable(ErrorCode::NetworkError,
-                    text::message(what, ": ", ucx().status_string(status), " (UCX in this process makes no worker)"));
+// Threads of this process: only a process of one thread can tell the listening sockets UCX
+// opens from another thread's (a Python program's own server).
+std::size_t threads() {
+  std::error_code error;
+  return static_cast<std::size_t>(std::distance(std::filesystem::directory_iterator("/proc/self/task", error),
+                                                std::filesystem::directory_iterator()));
 }
 
 }  // namespace
 
 Worker::Worker(const std::string& interface, sa_family_t family) {
-  try {
-    ucx();
-  } catch (const Error& e) {
-    throw UcxUnusable(e.code(), e.what());  // not found, or too old: so it stays
-  }
+  // Asked before UCX makes threads of its own (its first context does).
+  bool watched = threads() == 1;
   ucp_config_t* config = nullptr;
-  if (auto status = ucx().config_read(nullptr, nullptr, &config); status != UCS_OK) unusable("ucp_config_read", status);
+  if (auto status = ucx().config_read(nullptr, nullptr, &config); status != UCS_OK) fail_ucx("ucp_config_read", status);
   // One setting of ours in the configuration, or the configuration let go of and NetworkError.
   auto set = [&](const char* name, const char* value, std::string_view what) {
     if (auto status = ucx().config_modify(config, name, value); status != UCS_OK) {
       ucx().config_release(config);
-      unusable(what, status);
+      fail_ucx(what, status);
     }
   };
   // Unless the user named the devices: in the environment (even "all"), or in a ucx.conf. A
@@ -211,16 +210,24 @@ Worker::Worker(const std::string& interface, sa_family_t family) {
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
   auto status = ucx().init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &context_);
   ucx().config_release(config);
-  if (status != UCS_OK) unusable("ucp_init", status);
+  if (status != UCS_OK) fail_ucx("ucp_init", status);
   ucp_worker_params_t worker_params{};
   worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;
-  auto listening_before = listening_sockets<Listening>();
+  auto listening_before = watched ? listening_sockets<Listening>() : std::vector<Listening>();
   if (status = ucx().worker_create(context_, &worker_params, &worker_); status != UCS_OK) {
     ucx().cleanup(context_);
-    unusable("ucp_worker_create", status);
+    if (status == UCS_ERR_ALREADY_EXISTS) {
+      // UCX 1.22 keeps the wake-up handler of a listening socket it closed (an accept that
+      // failed), and refuses every later worker in the process so.
+      throw UcxUnusable(ErrorCode::NetworkError,
+                        text::message("ucp_worker_create: ", ucx().status_string(status),
+                                      ": UCX in this process makes no worker any more (it closed a listening "
+                                      "socket of an earlier one, as when the process ran out of descriptors)"));
+    }
+    fail_ucx("ucp_worker_create", status);
   }
-  for (const auto& socket : listening_sockets<Listening>()) {
+  for (const auto& socket : watched ? listening_sockets<Listening>() : std::vector<Listening>()) {
     bool before = std::any_of(listening_before.begin(), listening_before.end(),
                               [&](const Listening& old) { return old.inode == socket.inode; });
     if (!before) listening_.push_back(socket);
@@ -228,7 +235,7 @@ Worker::Worker(const std::string& interface, sa_family_t family) {
   if (status = ucx().worker_get_efd(worker_, &event_fd_); status != UCS_OK) {
     ucx().worker_destroy(worker_);
     ucx().cleanup(context_);
-    unusable("ucp_worker_get_efd", status);
+    fail_ucx("ucp_worker_get_efd", status);
   }
 }
 

@@ -55,10 +55,10 @@ const Ucx& ucx();
 // NetworkError naming the UCX call and its status.
 [[noreturn]] void fail_ucx(std::string_view what, ucs_status_t status);
 
-// NetworkError that trying again in this process cannot mend: UCX cannot make a worker (UCX
-// 1.22, once it closed a listening socket, refuses every later one with "Element already
-// exists"), or closed the one a worker listens on. A relay ends on it instead of reconnecting
-// for ever; a supervisor's restart mends it.
+// NetworkError that trying again in this process cannot mend: UCX cannot make a worker any
+// more (UCX 1.22, once it closed a listening socket, refuses every later one with "Element
+// already exists"), or closed the one a worker listens on. A relay ends on it instead of
+// reconnecting for ever; a supervisor's restart mends it.
 struct UcxUnusable : Error {
   using Error::Error;
 };
@@ -95,7 +95,9 @@ class Worker {
   // UcxUnusable once UCX closed a listening socket it opened for this worker. Its TCP
   // transport keeps each connection accepted there until the peer speaks, without a limit,
   // and closes the socket for good when an accept fails (the process out of descriptors):
-  // no peer reaches the worker after that, and nothing else says so.
+  // no peer reaches the worker after that, and nothing else says so. Only for a worker made
+  // in a process of one thread (`tbucket serve`): else UCX's sockets cannot be told from
+  // others made meanwhile, and nothing is looked at.
   void check_listening() const;
 
  private:

@@ -268,37 +268,26 @@ std::optional<Reservation> reserve(Publisher& publisher, const BucketBuilder& la
   return publisher.reserve(layout, Deadline::after(options.timeout).unless(options.interrupted));
 }
 
-// The file save() replaces for `path`: `path` itself when it is a regular file or names
-// nothing; through a symbolic link, the file it leads to (as writing through it would), kept
-// in place. InvalidArgument for anything else: renaming a file over a FIFO, a device
-// (/dev/stdout leads to one) or a folder would replace that with a private copy of weights.
-std::string save_target(const std::string& path) {
+// `path`, where save() may put a file: a regular file (replaced, its mode kept) or nothing.
+// InvalidArgument for anything else. Renaming a file over a FIFO, a device or a folder would
+// replace that with a private copy of the weights; over a symbolic link (/dev/stdout is one),
+// the link itself; and following a link would let whoever can write the folder (/tmp) choose
+// which file of the caller's is replaced.
+void check_save_target(const std::string& path) {
   struct stat named {};
   if (::lstat(path.c_str(), &named) != 0) {
-    if (errno == ENOENT) return path;  // a new file (a missing folder fails as it is made)
+    if (errno == ENOENT) return;  // a new file (a missing folder fails as it is made)
     fail_errno("cannot stat", path);
   }
-  std::string target = path;
-  if (S_ISLNK(named.st_mode)) {
-    std::error_code error;
-    auto resolved = std::filesystem::canonical(path, error);
-    if (error) {
-      fail(ErrorCode::InvalidArgument, "cannot save to ", path, ": a symbolic link that leads to no file (",
-           error.message(), "); save writes a safetensors file whole, renamed into place");
-    }
-    target = resolved.string();
-    if (::lstat(target.c_str(), &named) != 0) fail_errno("cannot stat", target);
-  }
-  if (!S_ISREG(named.st_mode)) {
-    const char* kind = S_ISDIR(named.st_mode)                             ? "a folder"
-                       : S_ISFIFO(named.st_mode)                          ? "a FIFO"
-                       : S_ISCHR(named.st_mode) || S_ISBLK(named.st_mode) ? "a device"
-                       : S_ISSOCK(named.st_mode)                          ? "a socket"
-                                                                          : "not a regular file";
-    fail(ErrorCode::InvalidArgument, "cannot save to ", path, (target != path ? " (" + target + ")" : std::string()),
-         ": it is ", kind, "; save writes a safetensors file whole, renamed into place");
-  }
-  return target;
+  if (S_ISREG(named.st_mode)) return;
+  const char* kind = S_ISLNK(named.st_mode)                             ? "a symbolic link (name the file it leads to)"
+                     : S_ISDIR(named.st_mode)                           ? "a folder"
+                     : S_ISFIFO(named.st_mode)                          ? "a FIFO"
+                     : S_ISCHR(named.st_mode) || S_ISBLK(named.st_mode) ? "a device"
+                     : S_ISSOCK(named.st_mode)                          ? "a socket"
+                                                                        : "not a regular file";
+  fail(ErrorCode::InvalidArgument, "cannot save to ", path, ": it is ", kind,
+       "; save writes a safetensors file whole, renamed into place");
 }
 
 }  // namespace
@@ -420,7 +409,7 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
 void save(std::span<const BucketView* const> buckets, const std::string& path) {
   if (buckets.empty()) throw Error(ErrorCode::InvalidArgument, "save needs at least one bucket");
   check_path(path);
-  auto target = save_target(path);
+  check_save_target(path);
   const auto& first = *buckets.front();
   for (const auto* bucket : buckets) {
     if (!bucket->location().on_host()) {
@@ -469,7 +458,7 @@ void save(std::span<const BucketView* const> buckets, const std::string& path) {
   // sees half a file, and a kill while writing leaves none.
   // Its mode is the file's it replaces (weights kept private stay so), or what the umask leaves
   // of 0666, as for any new file.
-  File file(target, File::Beside{});
+  File file(path, File::Beside{});
   try {
     file.write_all(length);
     file.write_all(std::as_bytes(std::span(json)));
@@ -477,11 +466,11 @@ void save(std::span<const BucketView* const> buckets, const std::string& path) {
       for (std::size_t i = 0; i < bucket->size(); ++i) file.write_all((*bucket)[i].bytes);
     }
     struct stat replaced {};
-    auto mode = ::lstat(target.c_str(), &replaced) == 0 && S_ISREG(replaced.st_mode) ? replaced.st_mode & 07777
-                                                                                        : file.created_mode();
+    auto mode = ::lstat(path.c_str(), &replaced) == 0 && S_ISREG(replaced.st_mode) ? replaced.st_mode & 07777
+                                                                                      : file.created_mode();
     if (::fchmod(file.descriptor(), mode) != 0) fail_errno("cannot set the mode of", file.path());
     file.sync();
-    file.place(target);
+    file.place(path);
   } catch (...) {
     file.discard();
     throw;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <thread>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -348,11 +349,11 @@ TEST(SafetensorsFile, ASaveKeepsTheModeItReplacesOrHonoursTheUmaskWhateverTheNam
   EXPECT_EQ(dir.files(), 3u);  // and no temporary file left
 }
 
-// save() replaces a file whole by renaming one over it: through a symbolic link, the file the
-// link leads to (the link stays); a FIFO, a device (where /dev/stdout leads) or a folder would
-// be replaced by a private copy of the weights, and is refused. A path with a NUL byte, which
+// save() replaces a file whole by renaming one over it: a FIFO, a device or a folder would be
+// replaced by a private copy of the weights, and a symbolic link (/dev/stdout is one) by the
+// file; refused, all of them, and a link is not followed either. A path with a NUL byte, which
 // the system would cut short there, is refused too.
-TEST(SafetensorsFile, ASaveWritesThroughALinkAndRefusesWhatIsNotARegularFile) {
+TEST(SafetensorsFile, ASaveRefusesWhatIsNotARegularFile) {
   TempDir dir;
   BucketBuilder builder;
   std::vector<std::byte> bytes(16, std::byte{3});
@@ -361,20 +362,11 @@ TEST(SafetensorsFile, ASaveWritesThroughALinkAndRefusesWhatIsNotARegularFile) {
   auto view = BucketView::open(packed.frame, packed.payload.span());
   const BucketView* one[] = {&view};
   write_file(dir / "target.safetensors", file_of("{}", 0));
-  ::chmod((dir / "target.safetensors").c_str(), 0640);
   std::filesystem::create_symlink("target.safetensors", dir / "link.safetensors");
-  st::save(one, dir / "link.safetensors");
-  EXPECT_TRUE(std::filesystem::is_symlink(dir / "link.safetensors"));
-  EXPECT_EQ(st::read_header(dir / "target.safetensors").tensors.size(), 1u);
-  struct stat status {};
-  ASSERT_EQ(::stat((dir / "target.safetensors").c_str(), &status), 0);
-  EXPECT_EQ(status.st_mode & 07777, 0640u);
-
   ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0600), 0);
   std::filesystem::create_symlink("/dev/null", dir / "null");
-  std::filesystem::create_symlink("missing", dir / "dangling");
   std::filesystem::create_directory(dir / "folder");
-  for (const char* name : {"fifo", "null", "dangling", "folder"}) {
+  for (const char* name : {"link.safetensors", "fifo", "null", "folder"}) {
     try {
       st::save(one, dir / name);
       FAIL() << name;
@@ -383,6 +375,9 @@ TEST(SafetensorsFile, ASaveWritesThroughALinkAndRefusesWhatIsNotARegularFile) {
       EXPECT_NE(std::string(e.what()).find("cannot save to"), std::string::npos) << e.what();
     }
   }
+  EXPECT_TRUE(std::filesystem::is_symlink(dir / "link.safetensors"));
+  EXPECT_EQ(st::read_header(dir / "target.safetensors").tensors.size(), 0u);  // as it was
+  struct stat status {};
   ASSERT_EQ(::lstat((dir / "fifo").c_str(), &status), 0);
   EXPECT_TRUE(S_ISFIFO(status.st_mode));
   EXPECT_TRUE(std::filesystem::is_symlink(dir / "null"));
@@ -404,7 +399,7 @@ TEST(SafetensorsFile, ASaveWritesThroughALinkAndRefusesWhatIsNotARegularFile) {
       EXPECT_NE(std::string(e.what()).find("NUL"), std::string::npos) << e.what();
     }
   }
-  EXPECT_EQ(dir.files(), 6u);  // and no temporary file left
+  EXPECT_EQ(dir.files(), 5u);  // and no temporary file left
 }
 
 // A rewrite in place that keeps the size and the modification time still moves ctime; a hard
@@ -418,6 +413,9 @@ TEST(SafetensorsFile, AFileRewrittenInPlaceAsALinkIsAddedIsNotPublished) {
   bool rewritten = false;
   auto rewrite = [&] {
     if (!rewritten) {
+      // Past the clock tick the file was written in: a kernel without fine-grained file
+      // times (before 6.13) dates both in the same 4-10 ms.
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
       struct stat before {};
       EXPECT_EQ(::stat(path.c_str(), &before), 0);
       int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);

@@ -32,7 +32,8 @@ class PyPublisher {
                                                .payload_checksum = checksum,
                                                .location = location_of(device),
                                                .policy = parse_overflow_policy(policy),
-                                               .update_buckets = update_buckets})) {
+                                               .update_buckets = update_buckets})),
+        short_commit_(!checksum && publisher_.location().on_host()) {
     open().insert(this);
   }
   ~PyPublisher() { open().erase(this); }
@@ -257,28 +258,44 @@ class PyPublisher {
     kept_->builder.version(version).bucket(bucket_index, bucket_count);
     auto stream = current_stream(publisher_.location());
     stop_if_closing("; nothing was published");
-    auto written = wait.run(
-        [&](const Deadline& deadline) {
-          return torch_bridge::write_in_place(publisher_, kept_->builder, staged_, deadline, stream);
-        },
-        &turn_.closing);
-    if (!written) {
+    bool published = false;
+    if (short_commit_) {
+      auto written = wait.run(
+          [&](const Deadline& deadline) {
+            return torch_bridge::write_in_place(publisher_, kept_->builder, staged_, deadline, stream);
+          },
+          &turn_.closing);
+      if (written) {
+        // Asked and committed holding the GIL, which a Python thread of this process needs to
+        // send a signal: one that its handler raised (Ctrl+C) came during the copy, and nothing
+        // is published, or comes after this call. Without the GIL, one sent during the commit
+        // would be raised as the call returns, the bucket published. A signal from outside may
+        // still come in the microseconds left, as for any call; `published` tells.
+        if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+        stop_if_closing("; nothing was published");
+        written->commit(Reservation::HandoverFrom::Reserve);
+        published = true;
+      }
+    } else {
+      // A commit that hashes the payload or waits on a device stream takes its time: not with
+      // the GIL. Its last look for a signal is just before it (publish_in_place).
+      published = wait.run(
+          [&](const Deadline& deadline) {
+            return torch_bridge::publish_in_place(publisher_, kept_->builder, staged_, deadline, stream);
+          },
+          &turn_.closing);
+    }
+    if (!published) {
       stop_if_closing("; nothing was published");
       throw no_slot("", "; nothing was published");
     }
-    // Asked and committed holding the GIL, which a thread of this process needs to send a
-    // signal: one that its handler raised (Ctrl+C) came during the copy, and nothing is
-    // published, or comes after this call. Without the GIL, one sent during the commit would
-    // be raised as the call returns, the bucket published. A signal from outside may still come
-    // in the microseconds left, as for any call; `published` tells.
-    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-    written->commit(Reservation::HandoverFrom::Reserve);
     published_ = publisher_.published();
   }
 
   Turns turn_;
   std::atomic<std::uint64_t> published_ = 0;  // publisher_.published(), after each publish
   Publisher publisher_;
+  bool short_commit_;  // a commit of a few stores (no payload hash, no device): made with the GIL
   std::optional<Kept> kept_;
   torch_bridge::StagedTensors staged_;  // this call's tensors in layout order; reused for capacity
   torch_bridge::StagedTensors borrowed_{torch_bridge::StagedTensors::Hold::Nothing};  // the same, held by the GIL

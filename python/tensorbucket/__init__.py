@@ -715,8 +715,10 @@ class Relay:
         were republished (0: no limit); return how many were.
 
         Raises what trying again cannot mend: NetworkError (Unauthorized) while no Server has let
-        it in yet, ChannelError (ChannelMissing) when the Server serves another channel; before
-        the first connection, every error but a NetworkError that says the Server is not there.
+        it in yet, ChannelError (ChannelMissing) when the Server serves another channel;
+        NetworkError when UCX in this process makes no worker any more (docs/network.md);
+        before the first connection, every error but a NetworkError that says the Server is not
+        there.
         """
         return self._impl.relay(_seconds("duration", duration), _integer("buckets", buckets, 0, _U64))
 
