@@ -346,9 +346,9 @@ struct ServerState {
       if (door.state() != ServerDoor::State::Closing) return false;
     } else if (door.state() != ServerDoor::State::Closing && now >= entry.due) {
       // The relay proved the token but sent no worker address: told so, not that it proved nothing.
-      door.refuse(Refusal::Other, door.state() == ServerDoor::State::Addressing
-                                      ? message("no worker address within ", kProofTimeout.count(), " s (the token was proved)")
-                                      : message("no proof of the token within ", kProofTimeout.count(), " s"));
+      auto missing = door.state() == ServerDoor::State::Addressing ? "no worker address" : "no proof of the token";
+      auto proved = door.state() == ServerDoor::State::Addressing ? " (the token was proved)" : "";
+      door.refuse(Refusal::Other, message(missing, " within ", kProofTimeout.count(), " s", proved));
     }
     while (!door.output().empty()) {
       auto out = door.output();

@@ -381,8 +381,9 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
     }
     if (reread[part.file]) {
       if (xxh3(header_bytes(file, file.size())) != header_hashes[part.file]) {
-        fail(ErrorCode::SystemError, file.path(), " changed while it was read (its header, written through a mapping, "
-                                                  "which tmpfs does not date); nothing more of this update was published");
+        fail(ErrorCode::SystemError, file.path(),
+             " changed while it was read (its header, written through a mapping, which tmpfs does not date); "
+             "nothing more of this update was published");
       }
       auto hash = piece_hashes.begin();
       for (auto i = part.first; i < part.last; ++i) {
