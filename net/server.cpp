@@ -587,7 +587,10 @@ struct ServerState {
         // serve's one worker for life: a listener UCX closed leaves every relay let in unable
         // to reach it, while serve looked alive. Ended instead, for a supervisor to restart.
         listening_looked_at = looked;
-        worker.check_listening();
+        worker.check_listening([this] {
+          spare.reset();  // serve ends: two descriptors for its last words
+          listening.reset();
+        });
       }
       open_doors();
       tend_doors();

@@ -268,27 +268,31 @@ std::vector<std::byte> Worker::address() const {
   return address;
 }
 
-void Worker::check_listening() const {
+std::optional<std::uint16_t> Worker::closed_listening_port() const {
   for (const auto& socket : listening_) {
     struct stat status{};
     int accepting = 0;
     socklen_t length = sizeof accepting;
-    if (::fstat(socket.fd, &status) == 0 && status.st_ino == socket.inode &&
-        ::getsockopt(socket.fd, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &length) == 0 && accepting != 0) {
-      continue;
+    if (::fstat(socket.fd, &status) != 0 || status.st_ino != socket.inode ||
+        ::getsockopt(socket.fd, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &length) != 0 || accepting == 0) {
+      return socket.port;
     }
-    rlimit limit{};
-    ::getrlimit(RLIMIT_NOFILE, &limit);
-    std::error_code error;
-    auto open = std::distance(std::filesystem::directory_iterator("/proc/self/fd", error),
-                              std::filesystem::directory_iterator());
-    throw UcxUnusable(ErrorCode::NetworkError,
-                      text::message("UCX closed its listening socket (port ", socket.port,
-                                    "): an accept there failed, as when this process is out of descriptors (",
-                                    open, " open, the limit ", limit.rlim_cur,
-                                    "), which connections to that port that never send hold one each; "
-                                    "no peer can reach this process's UCX any more"));
   }
+  return std::nullopt;
+}
+
+void Worker::fail_listening_closed(std::uint16_t port) {
+  rlimit limit{};
+  ::getrlimit(RLIMIT_NOFILE, &limit);
+  std::error_code error;
+  auto open = std::distance(std::filesystem::directory_iterator("/proc/self/fd", error),
+                            std::filesystem::directory_iterator());
+  throw UcxUnusable(ErrorCode::NetworkError,
+                    text::message("UCX closed its listening socket (port ", port,
+                                  "): an accept there failed, as when this process is out of descriptors (", open,
+                                  " open, the limit ", limit.rlim_cur,
+                                  "), which connections to that port that never send hold one each; "
+                                  "no peer can reach this process's UCX any more"));
 }
 
 bool Worker::progress() noexcept {

@@ -98,7 +98,16 @@ class Worker {
   // no peer reaches the worker after that, and nothing else says so. Only for a worker made
   // in a process of one thread (`tbucket serve`): else UCX's sockets cannot be told from
   // others made meanwhile, and nothing is looked at.
-  void check_listening() const;
+  // `before_failing` runs first, with nothing thrown yet: it may let go of descriptors (the
+  // process is likely out of them, and making the error's words, or a sanitizer's check of
+  // it, takes some).
+  template <class LetGo>
+  void check_listening(LetGo&& before_failing) const {
+    if (auto port = closed_listening_port()) {
+      before_failing();
+      fail_listening_closed(*port);
+    }
+  }
 
  private:
   struct Listening {
@@ -106,6 +115,8 @@ class Worker {
     ino_t inode;
     std::uint16_t port;
   };
+  std::optional<std::uint16_t> closed_listening_port() const;  // of one of listening_ UCX closed
+  [[noreturn]] static void fail_listening_closed(std::uint16_t port);
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   int event_fd_ = -1;
