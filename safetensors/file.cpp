@@ -31,8 +31,12 @@ namespace {
 using text::fail;
 using text::Quoted;
 
-[[noreturn]] void fail_errno(const std::string& doing, const std::string& path) {
-  fail(ErrorCode::SystemError, doing, " ", path, ": ", std::strerror(errno));
+// How a message names a file: quoted, so that a newline in it cannot break the line.
+std::string shown(const std::string& path) { return text::message(Quoted{path}); }
+
+// `named`: the file as shown().
+[[noreturn]] void fail_errno(const std::string& doing, const std::string& named) {
+  fail(ErrorCode::SystemError, doing, " ", named, ": ", std::strerror(errno));
 }
 
 // Calls make(name) with hidden names beside `path` (".name.tmp-xxxxxxxx", within NAME_MAX
@@ -47,9 +51,9 @@ void hidden_beside(const std::string& path, Make&& make) {
     char suffix[16];
     std::snprintf(suffix, sizeof suffix, ".tmp-%08x", static_cast<unsigned>(random()));
     if (make((where.parent_path() / ("." + name + suffix)).string())) return;
-    if (errno != EEXIST) fail_errno("cannot create a file beside", path);
+    if (errno != EEXIST) fail_errno("cannot create a file beside", shown(path));
   }
-  fail_errno("cannot create a file beside", path);
+  fail_errno("cannot create a file beside", shown(path));
 }
 
 // A file descriptor, closed when done.
@@ -57,8 +61,9 @@ class File {
  public:
   // For reading: O_NONBLOCK, so that a FIFO named by mistake fails at size() instead of
   // waiting for a writer (a regular file's reads ignore it).
-  explicit File(const std::string& path) : path_(path), fd_(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC)) {
-    if (fd_ < 0) fail_errno("cannot open", path);
+  explicit File(const std::string& path)
+      : path_(path), shown_(shown(path)), fd_(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC)) {
+    if (fd_ < 0) fail_errno("cannot open", shown_);
   }
   // A new file in `path`'s folder, for writing, made as open() makes a file (0666 less the
   // umask), to be put in place over `path` whole (place()). Unnamed until then where the
@@ -70,19 +75,20 @@ class File {
     // Linked into place through /proc (linkat() of the descriptor itself needs a privilege).
     if (::access("/proc/self/fd", X_OK) == 0) {
       fd_ = ::open(folder.empty() ? "." : folder.c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, 0666);
-      path_ = text::message("an unnamed file beside ", path);
+      shown_ = "an unnamed file beside " + shown(path);
     }
     if (fd_ < 0) {
       named_ = true;
       hidden_beside(path, [&](const std::string& hidden) {
         path_ = hidden;
+        shown_ = shown(hidden);
         fd_ = ::open(hidden.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
         return fd_ >= 0;
       });
     }
     // The mode open() gave it, kept for the end; private until then (it is empty so far).
     created_mode_ = status().st_mode & 07777;
-    if (::fchmod(fd_, 0600) != 0) fail_errno("cannot set the mode of", path_);
+    if (::fchmod(fd_, 0600) != 0) fail_errno("cannot set the mode of", shown_);
   }
   mode_t created_mode() const noexcept { return created_mode_; }
 
@@ -94,11 +100,12 @@ class File {
       hidden_beside(path, [&](const std::string& hidden) {
         if (::linkat(AT_FDCWD, descriptor.c_str(), AT_FDCWD, hidden.c_str(), AT_SYMLINK_FOLLOW) != 0) return false;
         path_ = hidden;
+        shown_ = shown(hidden);
         named_ = true;
         return true;
       });
     }
-    if (::rename(path_.c_str(), path.c_str()) != 0) fail_errno(text::message("cannot rename ", path_, " to"), path);
+    if (::rename(path_.c_str(), path.c_str()) != 0) fail_errno("cannot rename " + shown_ + " to", shown(path));
     named_ = false;  // it is `path` now
   }
   // Removes the name a file for writing still has (see Beside).
@@ -141,7 +148,8 @@ class File {
     return ::fstatfs(fd_, &info) == 0 && info.f_type == TMPFS_MAGIC;
   }
 
-  const std::string& path() const noexcept { return path_; }
+  // How messages name it (shown()).
+  const std::string& shown_as() const noexcept { return shown_; }
   int descriptor() const noexcept { return fd_; }
 
   // Exactly `into.size()` bytes from `offset`; SystemError at an early end (the file shrank).
@@ -149,8 +157,8 @@ class File {
     while (!into.empty()) {
       auto got = ::pread(fd_, into.data(), into.size(), static_cast<off_t>(offset));
       if (got < 0 && errno == EINTR) continue;
-      if (got < 0) fail_errno("cannot read", path_);
-      if (got == 0) fail(ErrorCode::SystemError, path_, " ended at byte ", offset, ": it changed while it was read");
+      if (got < 0) fail_errno("cannot read", shown_);
+      if (got == 0) fail(ErrorCode::SystemError, shown_, " ended at byte ", offset, ": it changed while it was read");
       into = into.subspan(static_cast<std::size_t>(got));
       offset += static_cast<std::uint64_t>(got);
     }
@@ -160,24 +168,25 @@ class File {
     while (!bytes.empty()) {
       auto put = ::write(fd_, bytes.data(), bytes.size());
       if (put < 0 && errno == EINTR) continue;
-      if (put < 0) fail_errno("cannot write", path_);
+      if (put < 0) fail_errno("cannot write", shown_);
       bytes = bytes.subspan(static_cast<std::size_t>(put));
     }
   }
 
   struct stat status() const {
     struct stat info {};
-    if (::fstat(fd_, &info) != 0) fail_errno("cannot stat", path_);
-    if (!S_ISREG(info.st_mode)) fail(ErrorCode::SystemError, path_, " is not a regular file");
+    if (::fstat(fd_, &info) != 0) fail_errno("cannot stat", shown_);
+    if (!S_ISREG(info.st_mode)) fail(ErrorCode::SystemError, shown_, " is not a regular file");
     return info;
   }
 
   void sync() const {
-    if (::fsync(fd_) != 0) fail_errno("cannot sync", path_);
+    if (::fsync(fd_) != 0) fail_errno("cannot sync", shown_);
   }
 
  private:
   std::string path_;
+  std::string shown_;
   bool named_ = false;  // a file for writing under a hidden name of ours (see Beside)
   int fd_;
   mode_t created_mode_ = 0;
@@ -204,7 +213,7 @@ FileHeader read_header(const File& file, const std::string& path, std::uint64_t*
   auto file_bytes = file.size();
   auto head = header_bytes(file, file_bytes);
   if (hash != nullptr) *hash = xxh3(head);
-  return parse_header(head, file_bytes, path);
+  return parse_header(head, file_bytes, shown(path));
 }
 
 // InvalidArgument for a path the system would cut short at its NUL byte (Python passes one on).
@@ -246,7 +255,7 @@ std::optional<std::uint64_t> version_in(const FileHeader& header, const std::str
     std::uint64_t version = 0;
     auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), version);
     if (error != std::errc() || end != value.data() + value.size() || value.empty()) {
-      fail(ErrorCode::HeaderCorrupt, path, ": __metadata__ tensorbucket.version is ", Quoted{value.substr(0, 64)},
+      fail(ErrorCode::HeaderCorrupt, Quoted{path}, ": __metadata__ tensorbucket.version is ", Quoted{value.substr(0, 64)},
            ", not a whole number below 2^64");
     }
     return version;
@@ -277,7 +286,7 @@ void check_save_target(const std::string& path) {
   struct stat named {};
   if (::lstat(path.c_str(), &named) != 0) {
     if (errno == ENOENT) return;  // a new file (a missing folder fails as it is made)
-    fail_errno("cannot stat", path);
+    fail_errno("cannot stat", shown(path));
   }
   if (S_ISREG(named.st_mode)) return;
   const char* kind = S_ISLNK(named.st_mode)                             ? "a symbolic link (name the file it leads to)"
@@ -286,7 +295,7 @@ void check_save_target(const std::string& path) {
                      : S_ISCHR(named.st_mode) || S_ISBLK(named.st_mode) ? "a device"
                      : S_ISSOCK(named.st_mode)                          ? "a socket"
                                                                         : "not a regular file";
-  fail(ErrorCode::InvalidArgument, "cannot save to ", path, ": it is ", kind,
+  fail(ErrorCode::InvalidArgument, "cannot save to ", Quoted{path}, ": it is ", kind,
        "; save writes a safetensors file whole, renamed into place");
 }
 
@@ -327,7 +336,7 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
     for (auto i = part.first; i < part.last; ++i) {
       const auto& tensor = headers[part.file].tensors[i];
       if (!names.insert(tensor.name).second) {
-        fail(ErrorCode::DuplicateName, paths[part.file], ": tensor ", Quoted{tensor.name}, " is in an earlier file too");
+        fail(ErrorCode::DuplicateName, Quoted{paths[part.file]}, ": tensor ", Quoted{tensor.name}, " is in an earlier file too");
       }
       layout.declare(tensor.name, tensor.dtype, tensor.shape);
     }
@@ -376,12 +385,12 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
       if (!on_host && !span.empty()) reservation->write(i - part.first, staging.data());  // pageable: taken on return
     }
     if (!file.version().unchanged_since(versions[part.file])) {
-      fail(ErrorCode::SystemError, file.path(), " changed while it was read (size or modification time); "
+      fail(ErrorCode::SystemError, file.shown_as(), " changed while it was read (size or modification time); "
                                                 "nothing more of this update was published");
     }
     if (reread[part.file]) {
       if (xxh3(header_bytes(file, file.size())) != header_hashes[part.file]) {
-        fail(ErrorCode::SystemError, file.path(),
+        fail(ErrorCode::SystemError, file.shown_as(),
              " changed while it was read (its header, written through a mapping, which tmpfs does not date); "
              "nothing more of this update was published");
       }
@@ -393,7 +402,7 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
           scratch.resize(std::min<std::uint64_t>(piece_bytes, size - at));
           file.read_at(scratch, header.data_offset + tensor.begin + at);
           if (xxh3(scratch) != *hash++) {
-            fail(ErrorCode::SystemError, file.path(), " changed while it was read (tensor ", Quoted{tensor.name},
+            fail(ErrorCode::SystemError, file.shown_as(), " changed while it was read (tensor ", Quoted{tensor.name},
                  ", written through a mapping, which tmpfs does not date); nothing more of this update was published");
           }
         }
@@ -469,7 +478,7 @@ void save(std::span<const BucketView* const> buckets, const std::string& path) {
     struct stat replaced {};
     auto mode = ::lstat(path.c_str(), &replaced) == 0 && S_ISREG(replaced.st_mode) ? replaced.st_mode & 07777
                                                                                       : file.created_mode();
-    if (::fchmod(file.descriptor(), mode) != 0) fail_errno("cannot set the mode of", file.path());
+    if (::fchmod(file.descriptor(), mode) != 0) fail_errno("cannot set the mode of", file.shown_as());
     file.sync();
     file.place(path);
   } catch (...) {

@@ -336,6 +336,8 @@ TEST_F(Cli, BadUsageExitsTwoWithOneLine) {
   expect_usage_error({"frobnicate"}, "unknown command 'frobnicate'");
   expect_usage_error({"produce", "--channel", channel, "--tensor-bytes", "abc"},
                      "'abc' is not a whole number");
+  // CLI11 names a missing file as given: its newline is escaped.
+  expect_usage_error({"publish-file", "--channel", channel, "no\nsuch.safetensors"}, "no\\x0asuch.safetensors");
 }
 
 // Negative numbers used to wrap around (--timeout-ms -1 waited for ever, --interval-ms -5

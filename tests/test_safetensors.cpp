@@ -254,7 +254,7 @@ TEST(SafetensorsFile, ABadFileAmongSeveralPublishesNothing) {
     FAIL();
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::BadShape);
-    EXPECT_NE(std::string(e.what()).find("bad.safetensors: tensor 'w'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("bad.safetensors': tensor 'w'"), std::string::npos) << e.what();
   }
   std::vector<std::string> twice = {dir / "good.safetensors", dir / "dup.safetensors"};
   try {
@@ -262,10 +262,21 @@ TEST(SafetensorsFile, ABadFileAmongSeveralPublishesNothing) {
     FAIL();
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::DuplicateName);
-    EXPECT_NE(std::string(e.what()).find("dup.safetensors: tensor 'w' is in an earlier file too"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("dup.safetensors': tensor 'w' is in an earlier file too"), std::string::npos);
   }
-  std::vector<std::string> missing = {dir / "absent.safetensors"};
-  EXPECT_THROW(st::publish_files(publisher, missing), Error);
+  // Paths are quoted, control characters escaped: an error stays one line.
+  std::vector<std::string> missing = {dir / "absent\n.safetensors"};
+  try {
+    st::publish_files(publisher, missing);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::SystemError);
+    std::string what = e.what();
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+    EXPECT_NE(what.find("cannot open '" + (dir / "absent\\x0a.safetensors") + "': No such file"),
+              std::string::npos)
+        << what;
+  }
   EXPECT_EQ(publisher.published(), 0u);
 }
 

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <limits>
 #include <string>
+#include <string_view>
 
 #include "commands.hpp"
 #include "exit_codes.hpp"
@@ -19,6 +20,23 @@
 namespace {
 
 constexpr auto kAny = std::numeric_limits<std::uint64_t>::max();
+
+// `text` with its control characters written as \xNN: an error stays one line whatever a path
+// given on the command line holds (CLI11 names a missing file as it was given).
+std::string one_line(std::string_view text) {
+  std::string line;
+  for (char c : text) {
+    auto byte = static_cast<unsigned char>(c);
+    if (byte < 0x20 || byte == 0x7f) {
+      char escaped[5];
+      std::snprintf(escaped, sizeof escaped, "\\x%02x", unsigned{byte});
+      line += escaped;
+    } else {
+      line += c;
+    }
+  }
+  return line;
+}
 
 // A whole number of decimal digits from `min` to `max` (and a multiple of `step`). Every
 // numeric option is read through this: CLI11 on its own took "-1" for 2^64 - 1 and went on
@@ -85,7 +103,7 @@ int main(int argc, char** argv) {
   app.option_defaults()->always_capture_default();
   // One line, like every other error of tbucket.
   app.failure_message([](const CLI::App*, const CLI::Error& e) {
-    return std::string("tbucket: usage: ") + e.what() + " (see tbucket --help)\n";
+    return "tbucket: usage: " + one_line(e.what()) + " (see tbucket --help)\n";
   });
 
   cli::ProduceOptions produce;
@@ -293,13 +311,13 @@ int main(int argc, char** argv) {
     if (*relay_command) return cli::run_relay(relay);
 #endif
   } catch (const Error& e) {
-    std::fprintf(stderr, "tbucket: %s: %s\n", to_string(e.code()).data(), e.what());
+    std::fprintf(stderr, "tbucket: %s: %s\n", to_string(e.code()).data(), one_line(e.what()).c_str());
     return cli::exit_code_for(e.code());
   } catch (const std::bad_alloc&) {
     std::fprintf(stderr, "tbucket: SystemError: not enough memory\n");
     return cli::kOtherError;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "tbucket: %s\n", e.what());
+    std::fprintf(stderr, "tbucket: %s\n", one_line(e.what()).c_str());
     return cli::kOtherError;
   }
   return cli::kUsage;
