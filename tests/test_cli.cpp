@@ -357,6 +357,14 @@ TEST_F(Cli, NumbersOutsideTheirRangeExitTwo) {
   expect_usage_error({"bench", "--tensor-bytes", "1000", "--device", "cuda:0"}, "excludes");
 }
 
+// A leading zero is a decimal digit: CLI11 read "010" as octal 8 once the range check passed.
+TEST_F(Cli, NumbersWithLeadingZerosAreDecimal) {
+  Tbucket produce({"produce", "--channel", channel, "--buckets", "010", "--tensors", "1", "--tensor-bytes", "0104",
+                   "--consumers", "0", "--quiet"});
+  EXPECT_EQ(produce.finish(), 0) << produce.err();
+  EXPECT_NE(produce.out().find("published 10 buckets"), std::string::npos) << produce.out();
+}
+
 // One size, as the peer sweep runs it: the copy and in-place figures, each saying what it times.
 TEST_F(Cli, BenchAtOneSizeGivesTheCopyAndInPlaceFigures) {
   Tbucket bench({"bench", "--json", "--tensor-bytes", "64", "--repeats", "5"});

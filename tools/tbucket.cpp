@@ -39,8 +39,8 @@ std::string one_line(std::string_view text) {
 }
 
 // A whole number of decimal digits from `min` to `max` (and a multiple of `step`). Every
-// numeric option is read through this: CLI11 on its own took "-1" for 2^64 - 1 and went on
-// past 2^64.
+// numeric option is read through this: CLI11 on its own took "-1" for 2^64 - 1, went on past
+// 2^64 and read "010" as octal 8; the text it converts is the value's plain decimal form.
 CLI::Validator whole_number(std::uint64_t min, std::uint64_t max, std::uint64_t step = 1) {
   using tensorbucket::text::message;
   auto wanted = message("a whole number from ", min, " to ", max);
@@ -54,6 +54,7 @@ CLI::Validator whole_number(std::uint64_t min, std::uint64_t max, std::uint64_t 
             value % step != 0) {
           return message(tensorbucket::text::Quoted{text}, " is not ", wanted);
         }
+        text = std::to_string(value);
         return {};
       },
       // What --help shows after UINT: its range, where there is one.
@@ -65,12 +66,12 @@ CLI::Validator whole_number(std::uint64_t min, std::uint64_t max, std::uint64_t 
 // The options of a channel the command creates (publish-file, relay), each help line after
 // `whose` ("" or "Local channel: ").
 void add_channel_options(CLI::App& command, tensorbucket::cli::ChannelOptions& channel, const std::string& whose) {
-  command.add_option("--slots", channel.slots, whose + "Slots (buckets in flight)")->check(whole_number(1, 16));
+  command.add_option("--slots", channel.slots, whose + "Slots (buckets in flight)")->transform(whole_number(1, 16));
   command.add_option("--consumers", channel.consumers, whose + "Releases each bucket needs (min_consumers)")
-      ->check(whole_number(0, 64));
-  command.add_option("--max-consumers", channel.max_consumers, whose + "Consumer records")->check(whole_number(1, 64));
+      ->transform(whole_number(0, 64));
+  command.add_option("--max-consumers", channel.max_consumers, whose + "Consumer records")->transform(whole_number(1, 64));
   command.add_option("--update-buckets", channel.update_buckets, whose + "`latest`: the most buckets an update has")
-      ->check(whole_number(1, 16));
+      ->transform(whole_number(1, 16));
   command.add_option("--policy", channel.policy, whose + "block or latest")->check(CLI::IsMember({"block", "latest"}));
   command.add_flag("--checksum", channel.checksum, whose + "Hash every payload");
   command.add_option("--device", channel.device, whose + "Where the payloads live: host, cuda, cuda:N");
@@ -110,28 +111,28 @@ int main(int argc, char** argv) {
   auto* produce_command = app.add_subcommand("produce", "Create a channel and publish N deterministic buckets");
   produce_command->add_option("--channel", produce.channel, "Channel name")->required();
   produce_command->add_option("--buckets", produce.workload.buckets, "Buckets to publish")
-      ->check(whole_number(1, 1ull << 32));
+      ->transform(whole_number(1, 1ull << 32));
   produce_command->add_option("--tensors", produce.workload.tensors, "Tensors per bucket")
-      ->check(whole_number(0, 1u << 20));
+      ->transform(whole_number(0, 1u << 20));
   produce_command->add_option("--tensor-bytes", produce.workload.tensor_bytes, "Bytes per tensor (a multiple of 8)")
-      ->check(whole_number(8, 1ull << 40, 8));
-  produce_command->add_option("--slots", produce.slots, "Slots (buckets in flight)")->check(whole_number(1, 16));
+      ->transform(whole_number(8, 1ull << 40, 8));
+  produce_command->add_option("--slots", produce.slots, "Slots (buckets in flight)")->transform(whole_number(1, 16));
   produce_command->add_option("--consumers", produce.consumers,
                               "Releases each bucket needs before its slot is reused (min_consumers)")
-      ->check(whole_number(0, 64));
+      ->transform(whole_number(0, 64));
   produce_command->add_option("--max-consumers", produce.max_consumers, "Consumer records")
-      ->check(whole_number(1, 64))
+      ->transform(whole_number(1, 64))
       ->capture_default_str();
   produce_command->add_option("--update-buckets", produce.workload.update_buckets,
                               "Buckets per update: bucket i is bucket i % U of version i / U")
-      ->check(whole_number(1, 16))
+      ->transform(whole_number(1, 16))
       ->capture_default_str();
   produce_command->add_option("--policy", produce.policy,
                               "When every slot is still needed: block (wait, lossless) or latest (reuse the "
                               "oldest slot no consumer leases; needs slots >= (max-consumers + 1) x update-buckets)")
       ->check(CLI::IsMember({"block", "latest"}))
       ->capture_default_str();
-  produce_command->add_option("--seed", produce.workload.seed, "Seed of the tensors' bytes")->check(whole_number(0, kAny));
+  produce_command->add_option("--seed", produce.workload.seed, "Seed of the tensors' bytes")->transform(whole_number(0, kAny));
   produce_command->add_flag("--checksum", produce.checksum, "Hash every payload");
   produce_command->add_flag("--in-place", produce.in_place, "Write tensors straight into shared memory");
   produce_command->add_option("--device", produce.device,
@@ -139,10 +140,10 @@ int main(int argc, char** argv) {
                               "its slots are written tensor by tensor from host memory)")
       ->capture_default_str();
   produce_command->add_option("--interval-ms", produce.interval_ms, "Pause between buckets, in milliseconds")
-      ->check(whole_number(0, kAny));
+      ->transform(whole_number(0, kAny));
   produce_command->add_option("--timeout-ms", produce.timeout_ms,
                               "Longest wait for a slot, and for the final drain, in milliseconds")
-      ->check(whole_number(0, kAny));
+      ->transform(whole_number(0, kAny));
   produce_command->add_flag("--quiet", produce.quiet,
                             "No progress line on stderr (drawn only when stderr is a terminal)");
 
@@ -150,8 +151,8 @@ int main(int argc, char** argv) {
   auto* consume_command = app.add_subcommand("consume", "Receive buckets in order and print one line each");
   consume_command->add_option("--channel", consume.channel, "Channel name")->required();
   consume_command->add_option("--buckets", consume.buckets, "Buckets to receive (0: until the producer is gone)")
-      ->check(whole_number(0, kAny));
-  consume_command->add_option("--seed", consume.seed, "Seed the producer used")->check(whole_number(0, kAny));
+      ->transform(whole_number(0, kAny));
+  consume_command->add_option("--seed", consume.seed, "Seed the producer used")->transform(whole_number(0, kAny));
   consume_command->add_flag("--verify", consume.verify,
                             "Regenerate and compare every byte (of a device bucket, copied back)");
   consume_command->add_option("--device", consume.device,
@@ -159,7 +160,7 @@ int main(int argc, char** argv) {
                               "channel's device, found by its UUID)");
   consume_command->add_option("--timeout-ms", consume.timeout_ms,
                               "Longest wait for the channel and for each bucket, in milliseconds")
-      ->check(whole_number(0, kAny));
+      ->transform(whole_number(0, kAny));
   consume_command->add_flag("--json", consume.json, "One JSON object per bucket (or update)");
   consume_command->add_flag("--updates", consume.updates,
                             "Receive whole updates, one line each (--buckets then counts updates)");
@@ -178,7 +179,7 @@ int main(int argc, char** argv) {
                             "until the channel is gone or Ctrl+C")
       ->excludes(inspect_json);
   inspect_command->add_option("--interval-ms", inspect.interval_ms, "Time between two --watch refreshes, in milliseconds")
-      ->check(whole_number(10, 3'600'000));
+      ->transform(whole_number(10, 3'600'000));
 
   cli::ListOptions list;
   auto* list_command = app.add_subcommand("list", "Every channel on this host: producer, incarnation, slots, consumers");
@@ -195,16 +196,16 @@ int main(int argc, char** argv) {
 
   cli::DemoOptions demo;
   auto* demo_command = app.add_subcommand("demo", "A trainer process sends a model update to a server process");
-  demo_command->add_option("--layers", demo.layers, "Transformer layers in the model")->check(whole_number(1, 256));
-  demo_command->add_option("--seed", demo.seed, "Seed of the tensors' bytes")->check(whole_number(0, kAny));
+  demo_command->add_option("--layers", demo.layers, "Transformer layers in the model")->transform(whole_number(1, 256));
+  demo_command->add_option("--seed", demo.seed, "Seed of the tensors' bytes")->transform(whole_number(0, kAny));
 
   cli::BenchOptions bench;
   auto* bench_command = app.add_subcommand("bench", "Cross-process handoff figures beside their baselines");
   bench_command->add_flag("--json", bench.json, "One JSON array");
-  bench_command->add_option("--repeats", bench.repeats, "Handoffs per small figure")->check(whole_number(5, 100000));
+  bench_command->add_option("--repeats", bench.repeats, "Handoffs per small figure")->transform(whole_number(5, 100000));
   auto* bench_size = bench_command->add_option("--tensor-bytes", bench.tensor_bytes,
                             "Only the copy and in-place figures, of 1000 tensors of this many bytes, on the host")
-      ->check(whole_number(8, 1u << 20, 8));
+      ->transform(whole_number(8, 1u << 20, 8));
   bench_command->add_option("--device", bench.device,
                             "host, or cuda:N for a device channel's figures on CUDA device N")
       ->capture_default_str()
@@ -217,14 +218,14 @@ int main(int argc, char** argv) {
   publish_file_command->add_option("files", publish_file.files, "FILE.safetensors ...")->required()->check(CLI::ExistingFile);
   publish_file_command->add_option("--bucket-bytes", publish_file.bucket_bytes,
                                    "Split each file into buckets of at most this many bytes (0: one bucket per file)")
-      ->check(whole_number(0, kAny));
+      ->transform(whole_number(0, kAny));
   publish_file_command->add_option("--version", publish_file.version,
                                    "The update's version (default: the first file's tensorbucket.version, else 0)")
-      ->check(whole_number(0, kAny));
+      ->transform(whole_number(0, kAny));
   add_channel_options(*publish_file_command, publish_file.created, "");
   publish_file_command->add_option("--timeout-ms", publish_file.timeout_ms,
                                    "Longest wait for a free slot, and for consumers to release everything")
-      ->check(whole_number(0, kAny));
+      ->transform(whole_number(0, kAny));
 
   cli::SaveOptions save;
   auto* save_command = app.add_subcommand("save", "Write the updates a channel carries as safetensors files");
@@ -232,11 +233,11 @@ int main(int argc, char** argv) {
   save_command->add_option("out", save.out, "OUT.safetensors")->required();
   save_command->add_option("--updates", save.updates,
                            "Updates to save; past one, each file is named OUT's stem, -vVERSION, .safetensors")
-      ->check(whole_number(1, kAny));
+      ->transform(whole_number(1, kAny));
   save_command->add_flag("--per-bucket", save.per_bucket,
                          "One file per bucket, named OUT's stem, -vVERSION-bINDEX, .safetensors");
   save_command->add_option("--timeout-ms", save.timeout_ms, "Longest wait for the channel and for each update")
-      ->check(whole_number(0, kAny));
+      ->transform(whole_number(0, kAny));
 
 #ifdef TENSORBUCKET_NET
   cli::ServeCommandOptions serve;
@@ -250,10 +251,10 @@ int main(int argc, char** argv) {
       ->required();
   serve_command->add_option("--peer-timeout-ms", serve.peer_timeout_ms,
                             "A relay that takes no bucket within this is dropped (it reconnects)")
-      ->check(whole_number(1, net::kLongestTimeout.count()));
-  serve_command->add_option("--max-peers", serve.max_peers, "Relays at once")->check(whole_number(1, net::kMostPeers));
+      ->transform(whole_number(1, net::kLongestTimeout.count()));
+  serve_command->add_option("--max-peers", serve.max_peers, "Relays at once")->transform(whole_number(1, net::kMostPeers));
   serve_command->add_option("--timeout-ms", serve.timeout_ms, "Wait for the channel's producer at most this long")
-      ->check(whole_number(0, kAny));
+      ->transform(whole_number(0, kAny));
 
   cli::RelayOptions relay;
   auto* relay_command = app.add_subcommand("relay", "Republish a served channel from another host into a local channel");
@@ -265,13 +266,13 @@ int main(int argc, char** argv) {
   relay_command->add_option("--timeout-ms", relay.timeout_ms,
                             "A local publish waits at most this long (then the link is dropped, to resume at the "
                             "next update); each connect try, this long held to 1-5 s")
-      ->check(whole_number(0, kAny));
+      ->transform(whole_number(0, kAny));
   relay_command->add_option("--idle-timeout-ms", relay.idle_timeout_ms, "Silence after which the link counts as dead")
-      ->check(whole_number(100, net::kLongestTimeout.count()));
+      ->transform(whole_number(100, net::kLongestTimeout.count()));
   relay_command->add_option("--max-bucket-bytes", relay.max_bucket_bytes, "A larger payload drops the link")
-      ->check(whole_number(0, kAny));
+      ->transform(whole_number(0, kAny));
   relay_command->add_option("--buckets", relay.buckets, "Stop after relaying this many (0: until a signal)")
-      ->check(whole_number(0, kAny));
+      ->transform(whole_number(0, kAny));
   relay_command->add_flag("--quiet", relay.quiet,
                           "No line on each connection; why the link is down is still told, once per reason");
 #endif
