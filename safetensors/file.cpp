@@ -416,6 +416,17 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
   return result;
 }
 
+void check_save_path(const std::string& path) {
+  check_path(path);
+  check_save_target(path);
+  auto folder = std::filesystem::path(path).parent_path();
+  if (folder.empty()) folder = ".";
+  struct stat info {};
+  if (::stat(folder.c_str(), &info) != 0) fail_errno("cannot save in the folder", shown(folder.string()));
+  if (!S_ISDIR(info.st_mode)) fail(ErrorCode::SystemError, "cannot save in ", Quoted{folder.string()}, ": not a folder");
+  if (::access(folder.c_str(), W_OK | X_OK) != 0) fail_errno("cannot save in the folder", shown(folder.string()));
+}
+
 void save(std::span<const BucketView* const> buckets, const std::string& path) {
   if (buckets.empty()) throw Error(ErrorCode::InvalidArgument, "save needs at least one bucket");
   check_path(path);

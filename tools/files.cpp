@@ -67,6 +67,10 @@ int run_publish_file(const PublishFileOptions& options) {
 
 int run_save(const SaveOptions& options) {
   install_stop_handlers();
+  // Before an update is waited for and taken: the folder, and the first file's name (every
+  // other differs from it by its version alone).
+  auto first_bucket = options.per_bucket ? std::optional<std::uint32_t>(0) : std::nullopt;
+  safetensors::check_save_path(file_name(options, 0, first_bucket, 1));
   // Following the channel's producers: publish-file publishes one update and leaves.
   auto subscriber = unless_stopped([&] {
     return Subscriber::attach(options.channel, until_stopped(options.timeout_ms),

@@ -101,4 +101,9 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
 // past kMaxHeaderBytes; SystemError when the file cannot be written.
 void save(std::span<const BucketView* const> buckets, const std::string& path);
 
+// What save() would refuse about `path` itself, for a caller that waits for its buckets first
+// (`tbucket save`): InvalidArgument for a NUL byte or for something there that is not a regular
+// file, SystemError for a folder that is missing or that this process cannot write in.
+void check_save_path(const std::string& path);
+
 }  // namespace tensorbucket::safetensors

@@ -25,8 +25,13 @@ inline void save(const py::handle& received, const std::string& path) {
     buckets.push_back(bucket.get());
     hold = std::move(bucket);
   } else if (py::isinstance<PyUpdate>(received)) {
-    auto update = received.cast<const PyUpdate&>().held();
-    for (const auto& bucket : update->buckets()) buckets.push_back(&bucket);
+    const auto& handle = received.cast<const PyUpdate&>();
+    auto update = handle.held();
+    // Those not released on their own: one that was took its names out of the update.
+    auto kept = handle.kept();
+    for (std::size_t k = 0; k < kept.size(); ++k) {
+      if (kept[k]) buckets.push_back(&update->buckets()[k]);
+    }
     hold = std::move(update);
   } else {
     throw py::type_error("save() takes a tensorbucket.Bucket or Update");

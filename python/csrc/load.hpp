@@ -24,12 +24,17 @@ inline void load_into(const py::object& module, const py::handle& tensors) {
                type_name(module));
   }
   auto targets = to_named(is_module ? module.attr("state_dict")(py::arg("keep_vars") = true) : module);
-  if (py::isinstance<PyUpdate>(tensors)) {  // each bucket straight from its bytes
-    // Held: another thread may release() the handle while this copies without the GIL.
-    auto update = tensors.cast<const PyUpdate&>().held();
-    auto stream = current_stream(update->buckets().front().view().location());
-    OutsideGil::run([&] { torch_bridge::load_into(targets, *update, stream); });
-    return;
+  py::object rest;  // the views of an update whose buckets were not all kept
+  if (py::isinstance<PyUpdate>(tensors)) {
+    const auto& handle = tensors.cast<const PyUpdate&>();
+    if (handle.whole()) {  // each bucket straight from its bytes
+      // Held: another thread may release() the handle while this copies without the GIL.
+      auto update = handle.held();
+      auto stream = current_stream(update->buckets().front().view().location());
+      OutsideGil::run([&] { torch_bridge::load_into(targets, *update, stream); });
+      return;
+    }
+    rest = handle.tensors();  // a bucket released on its own took its names out
   }
   if (py::isinstance<PyBucket>(tensors)) {  // straight from its bytes: no view of each entry
     auto bucket = tensors.cast<const PyBucket&>().received();
@@ -37,7 +42,7 @@ inline void load_into(const py::object& module, const py::handle& tensors) {
     OutsideGil::run([&] { torch_bridge::load_into(targets, bucket->view(), stream); });
     return;
   }
-  auto sources = to_named(tensors);
+  auto sources = to_named(rest ? rest : tensors);
   OutsideGil::run([&] { torch_bridge::load_into(targets, sources); });
 }
 

@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -219,30 +220,57 @@ class PyUpdate {
   }
 
   bool released() const { return !update_; }
+  // For each of buckets(), whether it was not released on its own: a bucket that was took its
+  // names out of the update.
+  std::vector<bool> kept() const {
+    received();
+    std::vector<bool> kept;
+    for (const auto& bucket : buckets_) kept.push_back(!bucket.cast<const PyBucket&>().released());
+    return kept;
+  }
+  // Whether every bucket was kept: only then is every name of the update readable.
+  bool whole() const {
+    auto kept = this->kept();
+    return std::find(kept.begin(), kept.end(), false) == kept.end();
+  }
+
+  // The mapping holds the names of the buckets not released on their own.
   std::size_t size() const {
     received();
     std::size_t total = 0;
-    for (const auto& bucket : buckets_) total += bucket.cast<const PyBucket&>().size();
+    for (const auto* bucket : held_buckets()) total += bucket->size();
     return total;
   }
   bool contains(const py::handle& name) const { return bucket_with(name) != nullptr; }
+  // KeyError for a name no bucket holds; InvalidArgument naming the bucket, for one that a
+  // bucket released on its own held.
   py::object get_item(const py::handle& name) const {
     auto* bucket = bucket_with(name);
-    if (bucket == nullptr) throw py::key_error(py::str(name));
+    if (bucket == nullptr) {
+      if (PyUnicode_Check(name.ptr())) {
+        auto wanted = name.cast<std::string_view>();
+        const auto& update = received();
+        for (std::size_t k = 0; k < buckets_.size(); ++k) {
+          if (update.buckets()[k].view().position(wanted)) {
+            throw Error(ErrorCode::InvalidArgument, text::message("bucket ", k, " of this update, which holds ",
+                                                                  text::Quoted{wanted}, ", was released"));
+          }
+        }
+      }
+      throw py::key_error(py::str(name));
+    }
     return bucket->get_item(name.cast<std::string_view>());
   }
   py::list keys() const {
-    received();
     py::list out;
-    for (const auto& bucket : buckets_) {
-      for (auto key : bucket.cast<PyBucket&>().keys()) out.append(key);
+    for (auto* bucket : held_buckets()) {
+      for (auto key : bucket->keys()) out.append(key);
     }
     return out;
   }
   py::dict tensors() const {
-    received();
     py::dict out;
-    for (const auto& bucket : buckets_) out.attr("update")(bucket.cast<PyBucket&>().tensors());
+    for (auto* bucket : held_buckets()) out.attr("update")(bucket->tensors());
     return out;
   }
 
@@ -260,18 +288,21 @@ class PyUpdate {
   }
 
  private:
-  // The bucket that holds `name`; none when no bucket does. InvalidArgument when the update
-  // was released, or the bucket that holds it (one of buckets(), released on its own).
+  // buckets() not released on their own; InvalidArgument when the update was released.
+  std::vector<PyBucket*> held_buckets() const {
+    received();
+    std::vector<PyBucket*> held;
+    for (const auto& object : buckets_) {
+      auto& bucket = object.cast<PyBucket&>();
+      if (!bucket.released()) held.push_back(&bucket);
+    }
+    return held;
+  }
+
+  // The bucket not released on its own that holds `name`; none when no such bucket does.
   PyBucket* bucket_with(const py::handle& name) const {
-    const auto& update = received();
-    for (std::size_t k = 0; k < buckets_.size(); ++k) {
-      auto& bucket = buckets_[k].cast<PyBucket&>();
-      if (!bucket.released()) {
-        if (bucket.contains(name)) return &bucket;
-      } else if (PyUnicode_Check(name.ptr()) && update.buckets()[k].view().position(name.cast<std::string_view>())) {
-        throw Error(ErrorCode::InvalidArgument, text::message("bucket ", k, " of this update, which holds ",
-                                                              text::Quoted{name.cast<std::string>()}, ", was released"));
-      }
+    for (auto* bucket : held_buckets()) {
+      if (bucket->contains(name)) return bucket;
     }
     return nullptr;
   }

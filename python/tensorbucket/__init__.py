@@ -407,8 +407,9 @@ class Bucket(_Received):
         return self._impl.bucket_count
 
     def __repr__(self) -> str:
+        held = "released" if self.released else f"{len(self)} tensors"
         return (f"<tensorbucket.Bucket version={self.version} bucket_index={self.bucket_index} "
-                f"bucket_count={self.bucket_count}, {len(self)} tensors>")
+                f"bucket_count={self.bucket_count}, {held}>")
 
 
 class Update(_Received):
@@ -437,7 +438,8 @@ class Update(_Received):
         return len(self._buckets)
 
     def __repr__(self) -> str:
-        return f"<tensorbucket.Update version={self.version}, {self.bucket_count} buckets>"
+        held = ", released" if self.released else ""
+        return f"<tensorbucket.Update version={self.version}, {self.bucket_count} buckets{held}>"
 
 
 class Subscriber:

@@ -250,6 +250,23 @@ def test_the_cli_publishes_files_and_saves_updates_per_update_and_per_bucket(tmp
     assert not os.path.exists(f"/dev/shm/tensorbucket.{channel}")
 
 
+@pytest.mark.skipif(not TBUCKET, reason="TBUCKET names no tbucket (meson test sets it)")
+def test_the_cli_refuses_a_path_it_cannot_save_to_before_it_waits_for_an_update(tmp_path, channel):
+    """It waited out its timeout first (with a producer: took an update, and released it)."""
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    for path, status, said in ((tmp_path / "folder", 2, "it is a folder"), (tmp_path / "fifo", 2, "it is a FIFO"),
+                               (tmp_path / "none" / "x.safetensors", 1, "cannot save in the folder"),
+                               (tmp_path / "none" / "x", 1, "cannot save in the folder")):
+        start = time.monotonic()
+        args = ["--per-bucket"] if path.name == "x" else []
+        refused = subprocess.run([TBUCKET, "save", "--channel", channel, str(path), "--timeout-ms", "60000", *args],
+                                 capture_output=True, text=True, timeout=60)
+        assert (refused.returncode, refused.stdout) == (status, ""), refused.stderr
+        assert said in refused.stderr and refused.stderr.count("\n") == 1, refused.stderr
+        assert time.monotonic() - start < 30
+
+
 def test_an_error_naming_bytes_that_are_not_utf8_is_still_a_tensorbucket_error(tmp_path, channel):
     bad = write_raw(tmp_path / "latin1.safetensors", b'{"caf\xe9": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}',
                     b"x")

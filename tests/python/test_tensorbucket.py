@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import safetensors.torch
 import torch
 
 import tensorbucket
@@ -1109,10 +1110,10 @@ def test_load_into_refuses_a_target_it_cannot_write_by_name(channel, target):
                     assert torch.equal(targets["a"], torch.zeros(4))  # nothing copied
 
 
-def test_a_released_bucket_or_update_says_so_and_a_with_block_may_release_it_first(channel):
+def test_a_released_bucket_or_update_says_so_and_a_with_block_may_release_it_first(channel, tmp_path):
     """A Bucket's second release() passed silently where an Update's raised, and len() of
     either still answered; releasing one bucket of an update made names of its other buckets
-    unreadable through the update."""
+    unreadable through the update, and then its len(), iteration and load_into() failed."""
     with tensorbucket.Publisher(channel, slots=2) as publisher:
         with tensorbucket.Subscriber(channel, timeout=5) as subscriber:
             publisher.publish({"w": torch.ones(3)}, version=1)
@@ -1130,6 +1131,18 @@ def test_a_released_bucket_or_update_says_so_and_a_with_block_may_release_it_fir
                 assert torch.equal(update["b"], torch.full((2,), 2.0)) and "b" in update
                 with pytest.raises(tensorbucket.InvalidArgument, match="^bucket 0 of this update, which holds 'a', was released$"):
                     update["a"]
+                # The rest is the mapping: its names alone, read, loaded and saved as such.
+                assert len(update) == 1 and list(update) == ["b"] and "a" not in update
+                assert list(update.tensors()) == ["b"]
+                target = {"b": torch.zeros(2)}
+                tensorbucket.load_into(target, update)
+                assert torch.equal(target["b"], torch.full((2,), 2.0))
+                with pytest.raises(tensorbucket.ManifestError, match="missing 'a'"):
+                    tensorbucket.load_into({"a": torch.zeros(2), "b": torch.zeros(2)}, update)
+                saved = tmp_path / "rest.safetensors"
+                tensorbucket.save(update, str(saved))
+                assert list(safetensors.torch.load_file(saved)) == ["b"]
+                assert repr(update.buckets[0]).endswith(", released>")
                 update.release()
                 with pytest.raises(tensorbucket.InvalidArgument, match="^update was released$"):
                     len(update)
