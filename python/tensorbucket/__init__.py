@@ -145,7 +145,7 @@ class Publisher:
     Each publish() copies the tensors straight into a free slot of shared memory (or of one
     GPU's memory), with a manifest of their names, dtypes and shapes that every consumer
     checks before it sees a tensor. A context manager: leaving it closes the channel and
-    removes its segments.
+    removes its segments (close(): drain() first to hand over every bucket).
 
     channel: the channel's name, as Subscribers and `tbucket` name it.
     slots: buckets in flight at once, each as large as the largest published so far.
@@ -262,9 +262,10 @@ class Publisher:
         return self._impl.drain(_seconds("timeout", timeout))
 
     def close(self) -> None:
-        """Close the channel and remove its segments; consumers see ProducerGone once they
-        have received what was published. A publish() or drain() waiting in another thread
-        raises InvalidArgument."""
+        """Close the channel and remove its segments; consumers then see ProducerGone. A
+        bucket a consumer had not yet begun to receive is lost with its segment: drain()
+        first to hand over every bucket published. A publish() or drain() waiting in another
+        thread raises InvalidArgument."""
         self._impl.close()
 
     @property
