@@ -15,7 +15,7 @@ failed; an argument of the wrong type raises TypeError.
 import math
 import operator
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Literal, Optional, Tuple, TypeVar, Union
 
@@ -131,6 +131,14 @@ def _text(name: str, value: object) -> str:
     return value
 
 
+def _path(name: str, value: object) -> bytes:
+    """A path as the system takes it (bytes as they are; str and os.PathLike as os.fsencode
+    makes them, so a name that is not UTF-8 still reaches the file)."""
+    if not isinstance(value, (str, bytes, os.PathLike)):
+        raise TypeError(f"{name} must be a path (str, bytes or os.PathLike), not {_type_name(value)}")
+    return os.fsencode(value)
+
+
 def _flag(name: str, value: object) -> bool:
     if isinstance(value, bool):
         return value
@@ -226,7 +234,7 @@ class Publisher:
 
     def publish_file(
         self,
-        paths: Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]]],
+        paths: Union[str, bytes, "os.PathLike[str]", Sequence[Union[str, bytes, "os.PathLike[str]"]]],
         version: Optional[int] = None,
         bucket_bytes: int = 0,
         timeout: Optional[float] = 10.0,
@@ -245,9 +253,11 @@ class Publisher:
         safetensors, or has a dtype tensorbucket does not carry, raises ManifestError naming the
         entry; one that cannot be read raises Error (SystemError). Returns the buckets published.
         """
-        if isinstance(paths, (str, os.PathLike)):
+        if isinstance(paths, (str, bytes, os.PathLike)):
             paths = [paths]
-        files = [os.fspath(path) for path in paths]
+        if not isinstance(paths, Iterable):
+            raise TypeError(f"paths must be a path or a sequence of paths, not {_type_name(paths)}")
+        files = [_path("paths", path) for path in paths]
         if not files:
             raise _error(InvalidArgument, "publish_file needs at least one file")
         return self._impl.publish_file(
@@ -579,7 +589,7 @@ class Server:
         self,
         channel: str,
         listen: str,
-        token_file: Union[str, "os.PathLike[str]"],
+        token_file: Union[str, bytes, "os.PathLike[str]"],
         *,
         peer_timeout: float = 10.0,
         max_peers: int = 16,
@@ -595,7 +605,7 @@ class Server:
         self._impl = _C.Server(
             _text("channel", channel),
             _text("listen", listen),
-            os.fspath(token_file),
+            _path("token_file", token_file),
             seconds,
             _integer("max_peers", max_peers, 1, _U32),
             _integer("window", window, 1, _U32),
@@ -679,7 +689,7 @@ class Relay:
         self,
         connect: str,
         channel: str,
-        token_file: Union[str, "os.PathLike[str]"],
+        token_file: Union[str, bytes, "os.PathLike[str]"],
         *,
         local: Optional[str] = None,
         slots: int = 2,
@@ -700,7 +710,7 @@ class Relay:
         self._impl = _C.Relay(
             _text("connect", connect),
             _text("channel", channel),
-            os.fspath(token_file),
+            _path("token_file", token_file),
             "" if local is None else _text("local", local),
             _integer("slots", slots, 0, _U32),
             _integer("min_consumers", min_consumers, 0, _U32),
@@ -773,7 +783,7 @@ def load_into(module: Union[torch.nn.Module, Mapping[str, torch.Tensor]],
         _C.load_into(module, tensors)
 
 
-def save(received: Union[Bucket, Update], path: Union[str, "os.PathLike[str]"]) -> None:
+def save(received: Union[Bucket, Update], path: Union[str, bytes, "os.PathLike[str]"]) -> None:
     """Write a received Bucket, or a whole Update, as one safetensors file at `path`.
 
     Its tensors lie in the buckets' order; its metadata carries "tensorbucket.version" and
@@ -788,4 +798,4 @@ def save(received: Union[Bucket, Update], path: Union[str, "os.PathLike[str]"]) 
     """
     if not isinstance(received, (Bucket, Update)):
         raise TypeError(f"received must be a tensorbucket.Bucket or Update, not {_type_name(received)}")
-    _C.save(received._impl, os.fspath(path))
+    _C.save(received._impl, _path("path", path))

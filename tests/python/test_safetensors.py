@@ -4,6 +4,7 @@ for every dtype both carry, empty and 0-dim tensors, and a 1 GiB file; hostile h
 refused naming the entry, and nothing is published."""
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -265,6 +266,23 @@ def test_the_cli_refuses_a_path_it_cannot_save_to_before_it_waits_for_an_update(
         assert (refused.returncode, refused.stdout) == (status, ""), refused.stderr
         assert said in refused.stderr and refused.stderr.count("\n") == 1, refused.stderr
         assert time.monotonic() - start < 30
+
+
+def test_paths_may_be_bytes_and_any_other_type_is_a_type_error(tmp_path, channel):
+    """A bytes path raised TypeError: 'expected str, bytes or os.PathLike object, not int'."""
+    tensors = {"w": random_tensor(torch.float32, (3,), 1)}
+    name = os.fsencode(tmp_path) + b"/caf\xe9.safetensors"  # not UTF-8: reached as it is
+    save_file(tensors, os.fsdecode(name))
+    with tensorbucket.Publisher(channel, min_consumers=0, slots=4) as publisher:
+        with tensorbucket.Subscriber(channel, timeout=5) as subscriber:
+            assert publisher.publish_file(name) == 1
+            with subscriber.next(timeout=5) as bucket:
+                tensorbucket.save(bucket, os.fsencode(tmp_path) + b"/again.safetensors")
+            assert same_bits(load_file(tmp_path / "again.safetensors")["w"], tensors["w"])
+            for paths, said in ((5, "paths must be a path or a sequence of paths, not int"),
+                                ([name, 5], "paths must be a path (str, bytes or os.PathLike), not int")):
+                with pytest.raises(TypeError, match=re.escape(said)):
+                    publisher.publish_file(paths)
 
 
 def test_an_error_naming_bytes_that_are_not_utf8_is_still_a_tensorbucket_error(tmp_path, channel):
