@@ -25,6 +25,9 @@ std::string read_token_file(const std::string& path) {
   constexpr std::size_t kMin = 16, kMax = 4096;
   auto denied = [&](const auto&... why) { fail(ErrorCode::PermissionDenied, "token file ", Quoted{path}, ' ', why...); };
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0 && (errno == ENOENT || errno == ENOTDIR)) {  // a wrong path, not a permission
+    fail(ErrorCode::InvalidArgument, "token file ", Quoted{path}, " does not exist");
+  }
   if (fd < 0) denied("cannot be opened: ", std::strerror(errno));
   struct Closer {
     int fd;

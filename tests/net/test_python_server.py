@@ -290,6 +290,8 @@ def test_server_errors_name_what_is_wrong(tmp_path):
     with pytest.raises(tensorbucket.ChannelError, match="readable") as denied:
         tensorbucket.Server(channel, "127.0.0.1:0", readable, timeout=0.2)
     assert denied.value.code == "PermissionDenied"
+    with pytest.raises(tensorbucket.InvalidArgument, match="^token file '.*absent' does not exist$"):
+        tensorbucket.Server(channel, "127.0.0.1:0", tmp_path / "absent", timeout=0.2)
 
     with tensorbucket.Publisher(channel, min_consumers=0):
         with pytest.raises(tensorbucket.InvalidArgument, match="port"):
