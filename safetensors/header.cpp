@@ -314,17 +314,29 @@ FileHeader parse_header(std::span<const std::byte> head, std::uint64_t file_byte
   Json::sax_parse(json, json + length, &reader);
   if (!reader.done()) fail(ErrorCode::HeaderCorrupt, what, ": the JSON header ends early");
 
-  // In file order; then no two tensors may share a byte.
-  std::stable_sort(header.tensors.begin(), header.tensors.end(),
-                   [](const FileTensor& a, const FileTensor& b) { return a.begin < b.begin; });
-  const FileTensor* last = nullptr;  // the non-empty tensor that ends furthest so far
+  // In file order, each tensor begins where the one before it ended, and the last ends where
+  // the file does: as the safetensors package reads a file, which refuses an overlap, a gap
+  // and bytes past the last tensor. So every byte of the data is one tensor's.
+  std::stable_sort(header.tensors.begin(), header.tensors.end(), [](const FileTensor& a, const FileTensor& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  const FileTensor* last = nullptr;
+  std::uint64_t end = 0;  // last's
   for (const auto& tensor : header.tensors) {
-    if (tensor.begin == tensor.end) continue;
-    if (last != nullptr && tensor.begin < last->end) {
+    if (tensor.begin < end) {
       fail(ErrorCode::Overlap, what, ": tensors ", shown(last->name), " [", last->begin, ", ", last->end, ") and ",
            shown(tensor.name), " [", tensor.begin, ", ", tensor.end, ") overlap");
     }
-    if (last == nullptr || tensor.end > last->end) last = &tensor;
+    if (tensor.begin > end) {
+      fail(ErrorCode::HeaderCorrupt, what, ": bytes [", end, ", ", tensor.begin, ") of the data, before tensor ",
+           shown(tensor.name), ", belong to no tensor");
+    }
+    last = &tensor;
+    end = tensor.end;
+  }
+  if (end != header.data_bytes) {
+    fail(ErrorCode::HeaderCorrupt, what, ": bytes [", end, ", ", header.data_bytes, ") of the data, past the last tensor, "
+         "belong to no tensor");
   }
   return header;
 }

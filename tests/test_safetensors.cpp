@@ -146,6 +146,13 @@ TEST(SafetensorsHeader, EveryHostileHeaderIsRefusedNamingTheEntry) {
        "holds a NUL byte at its byte 53"},
       {"{\"w\":" + tensor("U8", "[8]", 0, 8) + "}" + std::string(5, '\0'), ErrorCode::HeaderCorrupt, "NUL byte"},
       {"\xEF\xBB\xBF{\"w\":" + tensor("U8", "[8]", 0, 8) + "}", ErrorCode::HeaderCorrupt, "byte-order mark"},
+      // Every byte of the data is one tensor's, as the safetensors package reads a file.
+      {"{\"a\":" + tensor("U8", "[8]", 0, 8) + ",\"b\":" + tensor("U8", "[48]", 16, 64) + "}", ErrorCode::HeaderCorrupt,
+       "bytes [8, 16) of the data, before tensor 'b', belong to no tensor"},
+      {"{\"a\":" + tensor("U8", "[8]", 0, 8) + "}", ErrorCode::HeaderCorrupt,
+       "bytes [8, 64) of the data, past the last tensor, belong to no tensor"},
+      {"{\"a\":" + tensor("U8", "[64]", 0, 64) + ",\"e\":" + tensor("U8", "[0]", 4, 4) + "}", ErrorCode::Overlap,
+       "tensors 'a' [0, 64) and 'e' [4, 4) overlap"},
   };
   for (const auto& c : cases) {
     auto [code, message] = refusal(c.json);
@@ -181,13 +188,14 @@ TEST(SafetensorsHeader, TooManyDimsAndBadLengthsAreRefusedBeforeAnyAllocation) {
 
 TEST(SafetensorsFile, PublishedFilesArriveAsOneVerifiedUpdateAndSaveBackByteForByte) {
   TempDir dir;
-  // Two files; the data in odd places (gaps, tensors out of name order, an empty one).
+  // Two files; the data in odd places (tensors out of name order, an empty one).
   std::vector<std::byte> data(1000);
   for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::byte>(i * 7 + 3);
   auto first = file_of("{\"__metadata__\":{\"tensorbucket.version\":\"77\"},\"z\":" + tensor("F32", "[10]", 0, 40) +
-                           ",\"a\":" + tensor("U16", "[3,5]", 48, 78) + ",\"e\":" + tensor("F64", "[0]", 78, 78) + "}",
+                           ",\"a\":" + tensor("U16", "[3,5]", 40, 70) + ",\"e\":" + tensor("F64", "[0]", 70, 70) + "}",
                        0);
-  first.insert(first.end(), data.begin(), data.begin() + 78);
+  first.insert(first.end(), data.begin(), data.begin() + 40);       // z
+  first.insert(first.end(), data.begin() + 48, data.begin() + 78);  // a
   auto second = file_of("{\"big\":" + tensor("U8", "[900]", 0, 900) + ",\"one\":" + tensor("BF16", "[]", 900, 902) + "}", 0);
   second.insert(second.end(), data.begin() + 100, data.begin() + 1000);  // big
   second.insert(second.end(), data.begin(), data.begin() + 2);            // one
