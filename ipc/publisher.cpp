@@ -35,7 +35,6 @@ constexpr auto kWaitSlice = std::chrono::milliseconds(10);
 // Producers racing for one name each win or lose in one or two rounds; more rounds mean
 // someone keeps creating and removing it.
 constexpr int kNameRounds = 16;
-constexpr auto kRemoverWait = std::chrono::seconds(10);
 // How many times a `latest` producer looks over its slots for one nobody leases before it waits.
 constexpr int kLatestLooks = 4;
 // Consumers asleep while a long copy is written are woken again when it is due to end within
@@ -478,10 +477,7 @@ bool remove_stale_channel(std::string_view channel, const std::string& name) {
 // for one name exactly one wins: a new object is unlocked for the moment between its creation
 // and its creator's lock, and may be taken for a dead producer's and removed meanwhile; its
 // creator then fails to lock it, or finds it no longer named, and loses, removing nothing.
-ipc::Segment take_name(std::string_view channel, const std::string& name, mode_t mode) {
-  // Unlinking a large dead channel's slots frees their memory, which takes a while: another
-  // remover's work is waited for, not counted as a round, up to kRemoverWait.
-  auto give_up = Clock::now() + kRemoverWait;
+ipc::Segment take_name(std::string_view channel, const std::string& name, mode_t mode, const Deadline& wait) {
   for (int round = 0; round < kNameRounds; ++round) {
     std::optional<ipc::Segment> created;
     try {
@@ -490,8 +486,18 @@ ipc::Segment take_name(std::string_view channel, const std::string& name, mode_t
       if (e.code() != ErrorCode::ChannelExists) throw;
     }
     if (!created) {
-      if (!remove_stale_channel(channel, name) && Clock::now() < give_up) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (!remove_stale_channel(channel, name)) {
+        // Unlinking a large dead channel's slots frees their memory, which takes a while:
+        // another remover's work is waited for, not counted as a round. One that stopped
+        // (Ctrl+Z, a debugger) holds the name until it goes on or ends.
+        auto now = Clock::now();
+        if (wait.passed(now) || wait.interrupted(now)) {
+          fail(ErrorCode::ChannelExists, "channel ", Quoted{channel}, " is being removed by another process (a dead ",
+               "producer's leftovers), which did not finish ", wait.interrupted(now) ? "before the wait was interrupted"
+                                                                                    : "within " + wait.limit(),
+               ": a stopped `tbucket rm`, consumer or producer holds the name until it goes on or ends");
+        }
+        std::this_thread::sleep_for(wait.next_sleep(std::chrono::milliseconds(1), now));
         --round;
       }
       continue;
@@ -542,12 +548,12 @@ std::uint64_t new_incarnation() {
 
 }  // namespace
 
-Publisher Publisher::create(std::string_view channel, const PublisherOptions& options) {
+Publisher Publisher::create(std::string_view channel, const PublisherOptions& options, const Deadline& wait) {
   ipc::validate_channel_name(channel);
   validate(options);
   // Before the name is taken: CudaUnavailable or DeviceNotVisible leave nothing behind.
   auto home = ipc::home_of(options.location);
-  auto segment = take_name(channel, ipc::control_segment_name(channel), options.mode);
+  auto segment = take_name(channel, ipc::control_segment_name(channel), options.mode, wait);
   auto* control = reinterpret_cast<ipc::ControlBlock*>(segment.data());
   control->layout_version = ipc::kControlLayoutVersion;
   control->slot_count = static_cast<std::uint16_t>(options.slots);

@@ -434,9 +434,9 @@ ipc::Segment open_live_channel(std::string_view channel, const Deadline& deadlin
         bool closed = ipc::atomic(control->closed).load(std::memory_order_acquire) != 0;
         if (holder == ipc::Holder::kProducer && !closed) return std::move(*segment);
         if (holder != ipc::Holder::kProducer) {
+          if (holder == ipc::Holder::kNobody) holder = ipc::remove_if_dead(channel, name, *segment);
           last_seen = message("; the leftovers of its dead producer (pid ", ipc::load_label(control->producer).pid,
-                              ") were removed");
-          if (holder == ipc::Holder::kNobody) ipc::remove_if_dead(channel, name, *segment);
+                              holder == ipc::Holder::kRemover ? ") are being removed by another process" : ") were removed");
         } else {
           last_seen = "; its producer was closing it";
         }

@@ -231,12 +231,12 @@ struct RelayState {
 
 }  // namespace detail
 
-Relay Relay::create(const RelayOptions& options) {
+Relay Relay::create(const RelayOptions& options, const Deadline& wait) {
   if (options.connect.empty()) throw Error(ErrorCode::InvalidArgument, "a relay needs the server's HOST:PORT");
   if (options.remote.channel.empty()) throw Error(ErrorCode::InvalidArgument, "a relay needs the served channel's name");
   if (options.timeout.count() < 0) throw Error(ErrorCode::InvalidArgument, "a relay's timeout must not be negative");
   const auto& local = options.local.empty() ? options.remote.channel : options.local;
-  return Relay(std::make_unique<detail::RelayState>(options, Publisher::create(local, options.publisher)));
+  return Relay(std::make_unique<detail::RelayState>(options, Publisher::create(local, options.publisher, wait)));
 }
 
 Relay::Relay(std::unique_ptr<detail::RelayState> state)

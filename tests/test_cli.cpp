@@ -495,6 +495,38 @@ TEST_F(Cli, ConsumerFacingAbsurdGenerationsExitsThreeAtItsTimeout) {
   ::munmap(mapped, sizeof(ipc::ControlBlock));
 }
 
+// A process removing a dead producer's leftovers (a `tbucket rm` stopped with Ctrl+Z, say)
+// holds the name; a new producer waits for it, and a stop signal ends that wait. Before, it
+// waited 10 s regardless, then blamed other producers for the name.
+TEST_F(Cli, AStopSignalEndsAProducersWaitForAnotherRemover) {
+  Tbucket dead({"produce", "--channel", channel, "--buckets", "100", "--interval-ms", "1000", "--consumers", "0"});
+  auto control = "/dev/shm/tensorbucket." + channel;
+  ASSERT_TRUE(test::wait_until([&] { return std::filesystem::exists(control); }));
+  ASSERT_TRUE(dead.handles_stop_signals());  // created by now
+  dead.signal(SIGKILL);
+  EXPECT_EQ(dead.finish(), 128 + SIGKILL);
+  int fd = ::open(control.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  for (off_t byte : {ipc::kRemoverLockByte, ipc::kProducerLockByte}) {  // as a remover takes them
+    struct flock range{};
+    range.l_type = F_WRLCK;
+    range.l_whence = SEEK_SET;
+    range.l_start = byte;
+    range.l_len = 1;
+    ASSERT_EQ(::fcntl(fd, F_OFD_SETLK, &range), 0);
+  }
+  auto start = std::chrono::steady_clock::now();
+  Tbucket producer({"produce", "--channel", channel, "--buckets", "1", "--consumers", "0"});
+  ASSERT_TRUE(producer.handles_stop_signals());
+  std::this_thread::sleep_for(200ms);
+  producer.signal(SIGINT);
+  EXPECT_EQ(producer.finish(), 128 + SIGINT) << producer.err();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  EXPECT_EQ(producer.err(), "tbucket: stopped by signal 2; no channel was created\n");
+  ::close(fd);  // as a remover that ended without removing
+  EXPECT_EQ(run({"rm", channel}), 0);
+}
+
 TEST_F(Cli, TerminatedProducerRemovesItsSegments) {
   // SIGPIPE (a reader of its output gone) stops it as SIGTERM does.
   for (int stop : {SIGTERM, SIGPIPE}) {

@@ -436,8 +436,25 @@ TEST_F(Updates, AnAttacherDoesNotTakeARemoverForALiveProducer) {
   };
   ASSERT_TRUE(lock(ipc::kRemoverLockByte, F_WRLCK));  // as a remover does: its byte first,
   ASSERT_TRUE(lock(ipc::kProducerLockByte, F_WRLCK));  // then the dead producer's (not yet marked)
-  expect_error(ErrorCode::ChannelMissing, [&] { Subscriber::attach(channel, 100ms); });
+  auto error = expect_error(ErrorCode::ChannelMissing, [&] { Subscriber::attach(channel, 100ms); });
+  EXPECT_NE(error.find("are being removed by another process"), std::string::npos) << error;
   EXPECT_FALSE(segments_of(channel).empty());  // left to the remover
+  // A new producer waits for the remover as long as its deadline says, and not past an
+  // interruption (a stopped remover held it 10 s, deaf to Ctrl+C, then blamed other producers).
+  auto start = std::chrono::steady_clock::now();
+  error = expect_error(ErrorCode::ChannelExists, [&] { Publisher::create(channel, {}, 200ms); });
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 200ms);
+  EXPECT_NE(error.find("is being removed by another process (a dead producer's leftovers), which did not finish within "
+                       "200 ms"),
+            std::string::npos)
+      << error;
+  int asked = 0;
+  error = expect_error(ErrorCode::ChannelExists, [&] {
+    Publisher::create(channel, {}, Deadline::after(10s).unless([&] { return ++asked == 2; }));
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  EXPECT_NE(error.find("did not finish before the wait was interrupted"), std::string::npos) << error;
+  EXPECT_FALSE(segments_of(channel).empty());
   lock(ipc::kProducerLockByte, F_UNLCK);
   lock(ipc::kRemoverLockByte, F_UNLCK);
   ::close(fd);

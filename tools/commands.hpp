@@ -193,16 +193,21 @@ inline void pause(std::uint64_t interval_ms) {
   }
 }
 
-// What attach() returns; nothing when a stop signal interrupted its wait for a producer
-// (ChannelMissing then).
-template <class Attach>
-auto unless_stopped(Attach&& attach) -> std::optional<decltype(attach())> {
+// What attach() or create() returns; nothing when a stop signal interrupted its wait for a
+// producer (ChannelMissing then) or for another process removing a dead one's leftovers
+// (ChannelExists).
+template <class Open>
+auto unless_stopped(Open&& open) -> std::optional<decltype(open())> {
   try {
-    return attach();
+    return open();
   } catch (const Error& e) {
-    if (e.code() != ErrorCode::ChannelMissing || stop_signal() == 0) throw;
+    if ((e.code() != ErrorCode::ChannelMissing && e.code() != ErrorCode::ChannelExists) || stop_signal() == 0) throw;
     return std::nullopt;
   }
 }
+
+// How long a new channel waits for another process removing a dead producer's leftovers
+// under its name (Publisher::create), unless a stop signal comes first.
+inline Deadline removal_wait() { return until_stopped(10'000); }
 
 }  // namespace tensorbucket::cli

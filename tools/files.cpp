@@ -39,7 +39,10 @@ double mib(std::uint64_t bytes) { return static_cast<double>(bytes) / (1 << 20);
 
 int run_publish_file(const PublishFileOptions& options) {
   install_stop_handlers();
-  auto publisher = Publisher::create(options.channel, options.created.publisher());
+  auto created = unless_stopped(
+      [&] { return Publisher::create(options.channel, options.created.publisher(), removal_wait()); });
+  if (!created) return stopped("no channel was created");
+  auto& publisher = *created;
   auto start = Clock::now();
   auto published = safetensors::publish_files(
       publisher, options.files,

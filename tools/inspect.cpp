@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstdio>
 #include <ctime>
 #include <map>
@@ -178,9 +179,12 @@ void print_watch(const ChannelInfo& info, const std::optional<ChannelInfo>& befo
     std::snprintf(text, sizeof text, "; %.1f buckets/s, %.1f MiB/s", rate, rate * bucket_bytes / (1 << 20));
     rates = text;
   }
+  // Consumers as `tbucket list` counts them: the records of live processes (a dead one's
+  // record is listed below until it is freed).
+  auto alive = std::count_if(info.consumers.begin(), info.consumers.end(), [](const auto& c) { return c.alive; });
   std::printf("%s %s: %llu buckets, %llu updates published%s; producer pid %d %s%s; %zu consumers\n", clock,
               info.channel.c_str(), u(info.published), u(info.updates), rates.c_str(), info.producer_pid,
-              info.producer_alive ? "alive" : "gone", info.closed ? ", closed" : "", info.consumers.size());
+              info.producer_alive ? "alive" : "gone", info.closed ? ", closed" : "", static_cast<std::size_t>(alive));
   auto now_ns = monotonic_ns();
   for (const auto& consumer : info.consumers) {
     std::printf("  consumer record %u, pid %d%s, %s: %llu buckets and %llu updates behind, %s\n", consumer.record,

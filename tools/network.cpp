@@ -44,7 +44,9 @@ int run_relay(const RelayOptions& options) {
             if (!options.quiet || important) std::fprintf(stderr, "tbucket relay: %s\n", line.c_str());
           },
       .interrupted = [] { return stop_signal() != 0; }};
-  auto relay = net::Relay::create(relay_options);
+  auto created = unless_stopped([&] { return net::Relay::create(relay_options, removal_wait()); });
+  if (!created) return stopped("no channel was created");
+  auto& relay = *created;
   relay.relay_for(Deadline::never(), options.buckets);  // until a stop signal (relay_options.interrupted)
   relay.disconnect();  // the server frees this relay's place while the local consumers finish
   if (stop_signal() != 0) return stopped("local channel closed");

@@ -30,13 +30,19 @@ int run_produce(const ProduceOptions& options) {
   install_stop_handlers();
   const auto& workload = options.workload;
   check_payload_limit(workload);
-  auto publisher = Publisher::create(options.channel, {.slots = options.slots,
-                                                       .max_consumers = options.max_consumers,
-                                                       .min_consumers = options.consumers,
-                                                       .payload_checksum = options.checksum,
-                                                       .location = PayloadLocation::parse(options.device),
-                                                       .policy = parse_overflow_policy(options.policy),
-                                                       .update_buckets = workload.update_buckets});
+  auto created = unless_stopped([&] {
+    return Publisher::create(options.channel,
+                             {.slots = options.slots,
+                              .max_consumers = options.max_consumers,
+                              .min_consumers = options.consumers,
+                              .payload_checksum = options.checksum,
+                              .location = PayloadLocation::parse(options.device),
+                              .policy = parse_overflow_policy(options.policy),
+                              .update_buckets = workload.update_buckets},
+                             removal_wait());
+  });
+  if (!created) return stopped("no channel was created");
+  auto& publisher = *created;
   // A device channel's slots are written tensor by tensor from a staging buffer in host
   // memory, copy path or not: a copy from pageable memory has taken its bytes when the call
   // returns, while a bucket's batched copy reads them later in stream order (publish() wants

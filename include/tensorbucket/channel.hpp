@@ -122,8 +122,12 @@ class Publisher {
   // Creates the channel, with a new incarnation. InvalidArgument for a bad name or options
   // (among them a `Latest` channel with fewer slots than latest_slots_needed()), ChannelExists when a live
   // producer owns the name (a dead one's leftovers are removed first); for a CUDA location,
-  // CudaUnavailable or DeviceNotVisible when this process cannot use that device.
-  static Publisher create(std::string_view channel, const PublisherOptions& options = {});
+  // CudaUnavailable or DeviceNotVisible when this process cannot use that device. While
+  // another process removes a dead producer's leftovers under the name (freeing a large
+  // channel's memory takes a while), it waits for that until `wait` passes or is interrupted,
+  // then ChannelExists saying so.
+  static Publisher create(std::string_view channel, const PublisherOptions& options = {},
+                          const Deadline& wait = std::chrono::seconds(10));
 
   Publisher(Publisher&&) noexcept;
   Publisher& operator=(Publisher&&) noexcept;

@@ -193,8 +193,9 @@ struct RelayStats {
 // republished twice.
 class Relay {
  public:
-  // Creates the local channel (errors as Publisher::create); connects in relay_for().
-  static Relay create(const RelayOptions& options);
+  // Creates the local channel (errors as Publisher::create, whose `wait` this is); connects in
+  // relay_for().
+  static Relay create(const RelayOptions& options, const Deadline& wait = std::chrono::seconds(10));
 
   Relay(Relay&&) noexcept;
   Relay& operator=(Relay&&) noexcept;

@@ -20,19 +20,26 @@ namespace tensorbucket::python {
 
 namespace py = pybind11;
 
+// Publisher::create(), waiting for a remover of the name without the GIL (kRemovalWait).
+inline Publisher created(const std::string& channel, const PublisherOptions& options) {
+  PyWait wait(kRemovalWait);
+  return wait.in_seconds(kRemovalWait).run(
+      [&](const Deadline& deadline) { return Publisher::create(channel, options, deadline); });
+}
+
 class PyPublisher {
  public:
   PyPublisher(const std::string& channel, std::uint32_t slots, std::uint32_t min_consumers,
               std::uint32_t max_consumers, bool checksum, std::uint32_t mode, const py::handle& device,
               const std::string& policy, std::uint32_t update_buckets)
-      : publisher_(Publisher::create(channel, {.slots = slots,
-                                               .max_consumers = max_consumers,
-                                               .min_consumers = min_consumers,
-                                               .mode = mode,
-                                               .payload_checksum = checksum,
-                                               .location = location_of(device),
-                                               .policy = parse_overflow_policy(policy),
-                                               .update_buckets = update_buckets})),
+      : publisher_(created(channel, {.slots = slots,
+                                     .max_consumers = max_consumers,
+                                     .min_consumers = min_consumers,
+                                     .mode = mode,
+                                     .payload_checksum = checksum,
+                                     .location = location_of(device),
+                                     .policy = parse_overflow_policy(policy),
+                                     .update_buckets = update_buckets})),
         short_commit_(!checksum && publisher_.location().on_host()) {
     open().insert(this);
   }

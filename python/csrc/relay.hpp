@@ -44,7 +44,9 @@ class PyRelay {
         // close() from another thread, or the interpreter's exit, ends a local publish that
         // waits for a slot (Ctrl+C, asked by relay()'s deadline, is seen after such a wait).
         .interrupted = [this] { return turn_.closing.load() || OutsideGil::exiting_now(); }};
-    relay_ = net::Relay::create(options);
+    PyWait wait(kRemovalWait);  // for a remover of the local channel's name, as created() waits
+    relay_ = wait.in_seconds(kRemovalWait).run(
+        [&](const Deadline& deadline) { return net::Relay::create(options, deadline); });
     local_channel_ = relay_->local_channel();
   }
 

@@ -166,6 +166,10 @@ class PyWait {
   bool signalled_ = false;
 };
 
+// How long a new channel waits for another process removing a dead producer's leftovers
+// under its name (Publisher::create), in seconds; Ctrl+C ends the wait sooner.
+inline constexpr double kRemovalWait = 10;
+
 // Forks of this process so far, as its child counts them: bumped in every child
 // (pthread_atfork, registered at import).
 inline std::atomic<std::uint64_t> forks_seen = 0;

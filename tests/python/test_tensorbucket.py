@@ -1,12 +1,14 @@
 """The Python module: round trips, inputs, error classes, and a trainer and a server as two
 processes (examples/)."""
 import collections.abc
+import fcntl
 import glob
 import math
 import os
 import pathlib
 import re
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -556,6 +558,31 @@ def test_ctrl_c_interrupts_every_wait(channel):
         assert publisher.drain(timeout=5)
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_ends_a_new_publishers_wait_for_another_remover(channel):
+    """A process removing a dead producer's leftovers holds the name's lock bytes, and a new
+    Publisher waits for it. Before, that wait held the GIL for 10 s, deaf to Ctrl+C (a stopped
+    `tbucket rm`), then blamed other producers."""
+    code = f"import os, signal, tensorbucket\np = tensorbucket.Publisher({channel!r})\nos.kill(os.getpid(), signal.SIGKILL)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == -signal.SIGKILL
+    fd = os.open(f"/dev/shm/tensorbucket.{channel}", os.O_RDWR)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        for byte in (65, 0):  # as a remover takes them: its own lock byte, then the dead producer's
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0))
+        start = time.monotonic()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            tensorbucket.Publisher(channel)
+        assert time.monotonic() - start < 5
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+        os.close(fd)  # lets go of the locks: as a remover that ended without removing
+    with tensorbucket.Publisher(channel):
+        pass  # the name is free again
 
 
 class _Interrupted(Exception):
