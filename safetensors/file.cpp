@@ -416,15 +416,23 @@ FilePublish publish_files(Publisher& publisher, std::span<const std::string> pat
   return result;
 }
 
-void check_save_path(const std::string& path) {
+void check_save_folder(const std::string& path) {
   check_path(path);
-  check_save_target(path);
   auto folder = std::filesystem::path(path).parent_path();
   if (folder.empty()) folder = ".";
   struct stat info {};
   if (::stat(folder.c_str(), &info) != 0) fail_errno("cannot save in the folder", shown(folder.string()));
   if (!S_ISDIR(info.st_mode)) fail(ErrorCode::SystemError, "cannot save in ", Quoted{folder.string()}, ": not a folder");
-  if (::access(folder.c_str(), W_OK | X_OK) != 0) fail_errno("cannot save in the folder", shown(folder.string()));
+  // As the write will be made: with the effective ids and their capabilities (access() asks
+  // for the real ids').
+  if (::faccessat(AT_FDCWD, folder.c_str(), W_OK | X_OK, AT_EACCESS) != 0) {
+    fail_errno("cannot save in the folder", shown(folder.string()));
+  }
+}
+
+void check_save_path(const std::string& path) {
+  check_save_folder(path);
+  check_save_target(path);
 }
 
 void save(std::span<const BucketView* const> buckets, const std::string& path) {

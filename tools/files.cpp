@@ -70,10 +70,13 @@ int run_publish_file(const PublishFileOptions& options) {
 
 int run_save(const SaveOptions& options) {
   install_stop_handlers();
-  // Before an update is waited for and taken: the folder, and the first file's name (every
-  // other differs from it by its version alone).
-  auto first_bucket = options.per_bucket ? std::optional<std::uint32_t>(0) : std::nullopt;
-  safetensors::check_save_path(file_name(options, 0, first_bucket, 1));
+  // Before an update is waited for and taken: OUT, or where names made from it (their
+  // versions yet to come) will be.
+  if (options.updates == 1 && !options.per_bucket) {
+    safetensors::check_save_path(options.out);
+  } else {
+    safetensors::check_save_folder(options.out);
+  }
   // Following the channel's producers: publish-file publishes one update and leaves.
   auto subscriber = unless_stopped([&] {
     return Subscriber::attach(options.channel, until_stopped(options.timeout_ms),

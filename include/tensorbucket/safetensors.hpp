@@ -105,5 +105,7 @@ void save(std::span<const BucketView* const> buckets, const std::string& path);
 // (`tbucket save`): InvalidArgument for a NUL byte or for something there that is not a regular
 // file, SystemError for a folder that is missing or that this process cannot write in.
 void check_save_path(const std::string& path);
+// The same, of `path`'s folder alone: for a caller that has yet to name the file.
+void check_save_folder(const std::string& path);
 
 }  // namespace tensorbucket::safetensors

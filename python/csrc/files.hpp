@@ -27,11 +27,16 @@ inline void save(const py::handle& received, const std::string& path) {
   } else if (py::isinstance<PyUpdate>(received)) {
     const auto& handle = received.cast<const PyUpdate&>();
     auto update = handle.held();
-    // Those not released on their own: one that was took its names out of the update.
+    // A file says it holds a whole update (tensorbucket.bucket_count): not one short of a
+    // bucket released on its own.
     auto kept = handle.kept();
     for (std::size_t k = 0; k < kept.size(); ++k) {
-      if (kept[k]) buckets.push_back(&update->buckets()[k]);
+      if (!kept[k]) {
+        text::fail(ErrorCode::InvalidArgument, "bucket ", k, " of this update was released: save() writes a whole "
+                   "update, or one bucket (save each bucket kept)");
+      }
     }
+    for (const auto& bucket : update->buckets()) buckets.push_back(&bucket);
     hold = std::move(update);
   } else {
     throw py::type_error("save() takes a tensorbucket.Bucket or Update");

@@ -264,13 +264,15 @@ class PyUpdate {
   py::list keys() const {
     py::list out;
     for (auto* bucket : held_buckets()) {
-      for (auto key : bucket->keys()) out.append(key);
+      read_unless_released(*bucket, [&] {
+        for (auto key : bucket->keys()) out.append(key);
+      });
     }
     return out;
   }
   py::dict tensors() const {
     py::dict out;
-    for (auto* bucket : held_buckets()) out.attr("update")(bucket->tensors());
+    for (auto* bucket : held_buckets()) read_unless_released(*bucket, [&] { out.attr("update")(bucket->tensors()); });
     return out;
   }
 
@@ -297,6 +299,18 @@ class PyUpdate {
       if (!bucket.released()) held.push_back(&bucket);
     }
     return held;
+  }
+
+  // read(), unless `bucket` is released on its own first or meanwhile: a finalizer that the
+  // garbage collector runs while views are made may release it, taking its names out.
+  template <class Read>
+  static void read_unless_released(const PyBucket& bucket, Read&& read) {
+    if (bucket.released()) return;
+    try {
+      read();
+    } catch (const Error&) {
+      if (!bucket.released()) throw;
+    }
   }
 
   // The bucket not released on its own that holds `name`; none when no such bucket does.

@@ -266,6 +266,10 @@ def test_the_cli_refuses_a_path_it_cannot_save_to_before_it_waits_for_an_update(
         assert (refused.returncode, refused.stdout) == (status, ""), refused.stderr
         assert said in refused.stderr and refused.stderr.count("\n") == 1, refused.stderr
         assert time.monotonic() - start < 30
+    # Names with versions in them (OUT-vN.safetensors): OUT itself is not written, its folder counts.
+    waited = subprocess.run([TBUCKET, "save", "--channel", channel, str(tmp_path / "folder"), "--updates", "2",
+                             "--timeout-ms", "300"], capture_output=True, text=True, timeout=60)
+    assert waited.returncode == 6 and "no live producer" in waited.stderr, waited.stderr
 
 
 def test_paths_may_be_bytes_and_any_other_type_is_a_type_error(tmp_path, channel):

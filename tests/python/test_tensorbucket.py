@@ -1158,7 +1158,7 @@ def test_a_released_bucket_or_update_says_so_and_a_with_block_may_release_it_fir
                 assert torch.equal(update["b"], torch.full((2,), 2.0)) and "b" in update
                 with pytest.raises(tensorbucket.InvalidArgument, match="^bucket 0 of this update, which holds 'a', was released$"):
                     update["a"]
-                # The rest is the mapping: its names alone, read, loaded and saved as such.
+                # The rest is the mapping: its names alone, read and loaded as such.
                 assert len(update) == 1 and list(update) == ["b"] and "a" not in update
                 assert list(update.tensors()) == ["b"]
                 target = {"b": torch.zeros(2)}
@@ -1166,9 +1166,12 @@ def test_a_released_bucket_or_update_says_so_and_a_with_block_may_release_it_fir
                 assert torch.equal(target["b"], torch.full((2,), 2.0))
                 with pytest.raises(tensorbucket.ManifestError, match="missing 'a'"):
                     tensorbucket.load_into({"a": torch.zeros(2), "b": torch.zeros(2)}, update)
-                saved = tmp_path / "rest.safetensors"
-                tensorbucket.save(update, str(saved))
-                assert list(safetensors.torch.load_file(saved)) == ["b"]
+                # A file of it would not be the whole update its metadata says.
+                with pytest.raises(tensorbucket.InvalidArgument, match="^bucket 0 of this update was released: save"):
+                    tensorbucket.save(update, tmp_path / "rest.safetensors")
+                assert not (tmp_path / "rest.safetensors").exists()
+                tensorbucket.save(update.buckets[1], tmp_path / "b.safetensors")
+                assert list(safetensors.torch.load_file(tmp_path / "b.safetensors")) == ["b"]
                 assert repr(update.buckets[0]).endswith(", released>")
                 update.release()
                 with pytest.raises(tensorbucket.InvalidArgument, match="^update was released$"):
