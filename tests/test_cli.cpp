@@ -676,6 +676,27 @@ TEST_F(Cli, InspectWatchShowsRatesLagsAndLeasesUntilTheChannelIsGone) {
   EXPECT_EQ(run({"inspect", "--channel", channel, "--watch", "--json"}), 2);
 }
 
+// A consumer killed with SIGKILL leaves its record until the producer frees it: --watch counts
+// the consumers alive, as `list` does (it counted the record), and shows the record as gone.
+TEST_F(Cli, InspectWatchCountsOnlyLiveConsumers) {
+  cli::Workload workload{.tensors = 2, .tensor_bytes = 64};
+  std::optional<Publisher> publisher(Publisher::create(channel, {.slots = 1}));
+  Tbucket consumer({"consume", "--channel", channel, "--buckets", "100", "--timeout-ms", "30000"});
+  ASSERT_TRUE(publisher->publish(cli::make_bucket(workload, 0).builder, 10s));  // into the free slot
+  ASSERT_TRUE(publisher->publish(cli::make_bucket(workload, 1).builder, 10s));  // once the consumer released 0
+  consumer.signal(SIGKILL);
+  EXPECT_EQ(consumer.finish(), 128 + SIGKILL);
+  Tbucket watch({"inspect", "--channel", channel, "--watch", "--interval-ms", "50"});
+  ASSERT_TRUE(test::wait_until([&] { return watch.out().find(", gone: ") != std::string::npos; })) << watch.out();
+  publisher.reset();  // closes: its names go
+  EXPECT_EQ(watch.finish(), 0) << watch.err();
+  auto out = watch.out();
+  EXPECT_NE(out.find(" alive; 0 consumers\n  consumer record 0, pid " + std::to_string(consumer.pid()) + ", gone: "),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find(" alive; 1 consumers\n"), std::string::npos) << out;
+}
+
 TEST_F(Cli, HelpShowsEveryDefaultAndUnit) {
   Tbucket help({"produce", "--help"});
   ASSERT_EQ(help.finish(), 0);
