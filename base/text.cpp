@@ -4,9 +4,8 @@
 
 namespace tensorbucket::text {
 
-std::ostream& operator<<(std::ostream& out, Quoted quoted) {
-  out << '\'';
-  for (char c : quoted.name) {
+std::ostream& operator<<(std::ostream& out, Escaped escaped) {
+  for (char c : escaped.text) {
     auto byte = static_cast<unsigned char>(c);
     if (byte < 0x20 || byte == 0x7f) {
       out << "\\x" << std::hex << std::setw(2) << std::setfill('0') << unsigned{byte}
@@ -15,8 +14,10 @@ std::ostream& operator<<(std::ostream& out, Quoted quoted) {
       out << c;
     }
   }
-  return out << '\'';
+  return out;
 }
+
+std::ostream& operator<<(std::ostream& out, Quoted quoted) { return out << '\'' << Escaped{quoted.name} << '\''; }
 
 std::ostream& operator<<(std::ostream& out, Dims dims) {
   out << '[';

@@ -21,7 +21,13 @@
 
 namespace tensorbucket::text {
 
-// A name in single quotes; control bytes escaped so an error stays on one line.
+// Text with its control bytes written as \xNN, so that an error stays on one line.
+struct Escaped {
+  std::string_view text;
+};
+std::ostream& operator<<(std::ostream& out, Escaped escaped);
+
+// A name in single quotes, Escaped.
 struct Quoted {
   std::string_view name;
 };

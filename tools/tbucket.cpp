@@ -21,22 +21,9 @@ namespace {
 
 constexpr auto kAny = std::numeric_limits<std::uint64_t>::max();
 
-// `text` with its control characters written as \xNN: an error stays one line whatever a path
-// given on the command line holds (CLI11 names a missing file as it was given).
-std::string one_line(std::string_view text) {
-  std::string line;
-  for (char c : text) {
-    auto byte = static_cast<unsigned char>(c);
-    if (byte < 0x20 || byte == 0x7f) {
-      char escaped[5];
-      std::snprintf(escaped, sizeof escaped, "\\x%02x", unsigned{byte});
-      line += escaped;
-    } else {
-      line += c;
-    }
-  }
-  return line;
-}
+// An error's words on one line, whatever a path given on the command line holds (CLI11 names a
+// missing file as it was given).
+std::string one_line(std::string_view text) { return tensorbucket::text::message(tensorbucket::text::Escaped{text}); }
 
 // A whole number of decimal digits from `min` to `max` (and a multiple of `step`). Every
 // numeric option is read through this: CLI11 on its own took "-1" for 2^64 - 1, went on past

@@ -4,7 +4,6 @@
 
 #include <torch/extension.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -229,14 +228,10 @@ class PyUpdate {
     return kept;
   }
   // Whether every bucket was kept: only then is every name of the update readable.
-  bool whole() const {
-    auto kept = this->kept();
-    return std::find(kept.begin(), kept.end(), false) == kept.end();
-  }
+  bool whole() const { return held_buckets().size() == buckets_.size(); }
 
   // The mapping holds the names of the buckets not released on their own.
   std::size_t size() const {
-    received();
     std::size_t total = 0;
     for (const auto* bucket : held_buckets()) total += bucket->size();
     return total;
